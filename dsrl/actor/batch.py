@@ -1,0 +1,92 @@
+"""Rollout samples and their packing into dense, right-padded training microbatches.
+
+Per-token fields are [B, T-1] and aligned with *targets*: column t scores token t+1 of the
+row (the token the logits at position t predict). Response token k of a sample with prompt
+length P therefore sits at column P-1+k."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+# Per-token fixed scores that may travel with a batch (all [B, T-1], zero outside the mask).
+TOKEN_FIELDS = ("rollout_log_probs", "old_log_probs", "ref_log_probs", "teacher_log_probs",
+                "advantages", "returns", "opd_reverse_kl")
+
+
+@dataclass
+class Sample:
+    prompt_ids: list  # token ids of the (templated) prompt
+    response_ids: list  # sampled completion token ids
+    rollout_log_probs: list  # sampling log-prob of each response token (from vLLM)
+    group: int  # prompt index within the step (GRPO group id)
+    index: int = 0  # global sample index within the step
+    reward: float = 0.0
+    finish_reason: str = ""
+    text: str = ""  # decoded completion
+    extra: dict = field(default_factory=dict)
+
+
+def collate(samples: Sequence[Sample], pad_id: int, token_fields: Optional[dict] = None) -> dict:
+    """Pack samples into one microbatch dict of tensors.
+
+    token_fields: name -> list (one per sample) of per-response-token tensors of length
+    len(response_ids); they are scattered to the response columns. rollout log-probs come from
+    the samples themselves."""
+    lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    T = max(lens)
+    B = len(samples)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    loss_mask = torch.zeros((B, T - 1), dtype=torch.float32)
+    out = {name: torch.zeros((B, T - 1), dtype=torch.float32) for name in (token_fields or {})}
+    rollout_lp = torch.zeros((B, T - 1), dtype=torch.float32)
+    for b, s in enumerate(samples):
+        P, R = len(s.prompt_ids), len(s.response_ids)
+        if P < 1:
+            raise ValueError(f"sample {s.index}: empty prompt")
+        input_ids[b, : P + R] = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
+        attention_mask[b, : P + R] = 1
+        loss_mask[b, P - 1: P - 1 + R] = 1.0
+        if R:
+            rollout_lp[b, P - 1: P - 1 + R] = torch.as_tensor(s.rollout_log_probs, dtype=torch.float32)
+        for name, per_sample in (token_fields or {}).items():
+            v = per_sample[b]
+            if v is not None and R:
+                out[name][b, P - 1: P - 1 + R] = torch.as_tensor(v, dtype=torch.float32).reshape(-1)[:R]
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "targets": input_ids[:, 1:].clone(),
+        "loss_mask": loss_mask,
+        "rollout_log_probs": rollout_lp,
+        "sample_indices": [s.index for s in samples],
+    }
+    batch.update(out)
+    return batch
+
+
+def response_slices(batch: dict, field_name: str) -> list:
+    """Inverse of collate for one per-token field: list of 1-D tensors over each row's mask."""
+    mask = batch["loss_mask"].bool()
+    return [batch[field_name][b][mask[b]] for b in range(mask.shape[0])]
+
+
+def split_rows(batch: dict, rows: Sequence[int]) -> dict:
+    """Select rows of a packed batch (tensors and lists), trimming trailing all-pad columns."""
+    idx = torch.as_tensor(list(rows), dtype=torch.long)
+    T = int(batch["attention_mask"][idx].sum(-1).max().item()) if len(rows) else 1
+    T = max(T, 2)
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch["input_ids"].shape[0]:
+            v = v[idx]
+            if v.dim() == 2:
+                v = v[:, : (T if v.shape[1] == batch["input_ids"].shape[1] else T - 1)]
+            out[k] = v
+        elif isinstance(v, list) and len(v) == batch["input_ids"].shape[0]:
+            out[k] = [v[i] for i in rows]
+        else:
+            out[k] = v
+    return out

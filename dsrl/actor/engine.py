@@ -1,0 +1,249 @@
+"""The DeepSpeed actor: one HF causal LM wrapped in a ZeRO engine (stage 0-3).
+
+It does three things: forward-only scoring of target tokens (old / reference / teacher passes),
+the training microbatch (forward -> objective from the loss registry -> backward), and weight
+export (full weights gathered under ZeRO-3) for the rollout push and the final checkpoint.
+
+Gradient scaling: objectives return *partial sums* that add up across microbatches and ranks
+to the global loss (see dsrl.loss.types.Aggregator). DeepSpeed averages gradients over
+data-parallel ranks, so `backward` multiplies the loss by the DP world size; gradient
+accumulation is driven manually (`set_gradient_accumulation_boundary`) with GAS=1, so
+DeepSpeed applies no 1/GAS factor. The parameter gradient is therefore exactly the gradient
+of the global loss, whatever the microbatch or rank split."""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterable, Mapping, Optional
+
+import torch
+
+from dsrl.actor.logprobs import token_logprobs
+from dsrl.loss.registry import ObjectiveSpec
+from dsrl.loss.types import Aggregator, LossInputs, LossOutput
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def init_distributed() -> None:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on CUDA), once."""
+    import deepspeed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def build_ds_config(zero_stage: int, micro_batch_size: int, *, dtype: str = "float32",
+                    grad_clip: float = 0.0, persistence_threshold: int = 10000) -> dict:
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    zero = {"stage": int(zero_stage)}
+    if zero_stage == 3:
+        zero.update(stage3_param_persistence_threshold=int(persistence_threshold),
+                    stage3_gather_16bit_weights_on_model_save=False)
+    return {
+        "train_micro_batch_size_per_gpu": int(micro_batch_size),
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": int(micro_batch_size) * world,
+        "zero_optimization": zero,
+        "gradient_clipping": float(grad_clip),
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+class ActorEngine:
+    """A DeepSpeed-wrapped causal LM. `trainable=False` builds a frozen scorer (reference or
+    teacher) on its own DeepSpeed engine without an optimizer."""
+
+    def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "float32",
+                 attn_implementation: str = "eager", attention_dropout: float = 0.0,
+                 hidden_dropout: float = 0.0, trainable: bool = True, lr: float = 1e-5,
+                 betas: Iterable[float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 grad_clip: float = 1.0, micro_batch_size: int = 8, gradient_checkpointing: bool = False,
+                 persistence_threshold: int = 10000, temperature: float = 1.0, role: str = "actor"):
+        import deepspeed
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        init_distributed()
+        self.role = role
+        self.temperature = float(temperature)
+        self.trainable = trainable
+        self.zero_stage = int(zero_stage)
+        hf_config = AutoConfig.from_pretrained(model_path)
+        # Dropout must be set on the config: a non-zero value makes the two forwards differ.
+        for key in ("attention_dropout",):
+            if hasattr(hf_config, key):
+                setattr(hf_config, key, float(attention_dropout))
+        for key in ("hidden_dropout", "resid_pdrop", "embd_pdrop", "dropout"):
+            if hasattr(hf_config, key):
+                setattr(hf_config, key, float(hidden_dropout))
+        ds_config = build_ds_config(zero_stage, micro_batch_size, dtype=dtype,
+                                    grad_clip=grad_clip if trainable else 0.0,
+                                    persistence_threshold=persistence_threshold)
+        self.ds_config = ds_config
+        ctx = deepspeed.zero.Init(config_dict_or_path=ds_config) if zero_stage == 3 else contextlib.nullcontext()
+        with ctx:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_path, config=hf_config, dtype=_DTYPES[dtype], attn_implementation=attn_implementation)
+        if gradient_checkpointing and trainable:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        self.hf_config = model.config
+        if trainable:
+            model.train()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=eps,
+                                          weight_decay=weight_decay)
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                                     config=ds_config)
+        else:
+            model.eval()
+            for p in model.parameters():
+                p.requires_grad_(False)
+            self.engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config)
+            self.optimizer = None
+        # HF train() mode enables dropout modules; with all p=0 they are identities, which the
+        # reuse validator guarantees before any model is built.
+
+    # ------------------------------------------------------------------ forward
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def dp_world_size(self) -> int:
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    def logits(self, batch: Mapping) -> torch.Tensor:
+        """Logits for every target column: [B, T-1, V]."""
+        out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        return out.logits[:, :-1]
+
+    def target_logprobs(self, batch: Mapping, *, with_entropy: bool = False):
+        return token_logprobs(self.logits(batch), batch["targets"], temperature=self.temperature,
+                              with_entropy=with_entropy)
+
+    @torch.no_grad()
+    def score(self, microbatches: Iterable[Mapping], *, progress=None) -> list:
+        """Forward-only log-probs of each microbatch's targets (masked to the loss mask)."""
+        was_training = self.module.training
+        self.module.eval()
+        out = []
+        try:
+            for mb in microbatches:
+                lp, _ = self.target_logprobs(mb)
+                out.append((lp * mb["loss_mask"]).detach())
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            self.module.train(was_training)
+        return out
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(self, mb: Mapping, objective: ObjectiveSpec, config: Mapping, reduce: Aggregator, *,
+                         reuse_training_logprobs: bool = False, is_last: bool = True,
+                         forward_only: bool = False, loss_scale: Optional[float] = None) -> LossOutput:
+        """One microbatch: forward, objective, backward. `loss_scale` defaults to the DP world
+        size (undoes DeepSpeed's gradient averaging; see module docstring)."""
+        need_entropy = True  # entropy metric always reported from the training forward
+        grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with grad_ctx:
+            lp, ent = self.target_logprobs(mb, with_entropy=need_entropy)
+            if ent is not None and float(config.get("entropy_coef", 0.0) or 0.0) == 0.0:
+                ent = ent.detach()
+            fixed = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "targets")}
+            inputs = LossInputs(log_probs=lp, mask=mb["loss_mask"], batch=fixed, config=config, reduce=reduce,
+                                entropy=ent, reuse_training_logprobs=reuse_training_logprobs,
+                                sample_indices=mb.get("sample_indices"))
+            out = objective.fn(inputs)
+        if not forward_only:
+            scale = float(self.dp_world_size if loss_scale is None else loss_scale)
+            self.engine.set_gradient_accumulation_boundary(bool(is_last))
+            self.engine.backward(out.loss * scale, scale_wrt_gas=False)
+        return out
+
+    def optimizer_step(self) -> float:
+        """Apply the accumulated gradient; returns the global grad norm (before clipping)."""
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return float("nan")
+        return float(norm.item() if torch.is_tensor(norm) else norm)
+
+    def set_optimizer_hparams(self, *, lr=None, betas=None, eps=None, weight_decay=None, grad_clip=None) -> None:
+        """Per-request optimizer settings (Tinker `optim_step`)."""
+        opt = self.engine.optimizer
+        groups = getattr(opt, "param_groups", None) or opt.optimizer.param_groups
+        for g in groups:
+            if lr is not None:
+                g["lr"] = float(lr)
+            if betas is not None:
+                g["betas"] = tuple(float(b) for b in betas)
+            if eps is not None:
+                g["eps"] = float(eps)
+            if weight_decay is not None:
+                g["weight_decay"] = float(weight_decay)
+        if grad_clip is not None:
+            self.engine._config.gradient_clipping = float(grad_clip)
+            if hasattr(opt, "clip_grad"):
+                opt.clip_grad = float(grad_clip)
+
+    # ------------------------------------------------------------------ weights
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """Full (gathered) parameters on every rank; a no-op below ZeRO-3."""
+        if self.zero_stage == 3:
+            import deepspeed
+
+            params = list(self.module.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                yield
+        else:
+            yield
+
+    def state_dict_for_export(self) -> dict:
+        """HF-named full weights as CPU tensors (tied lm_head omitted)."""
+        tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        out = {}
+        with self.full_parameters():
+            for name, p in self.module.named_parameters():
+                if tied and name == "lm_head.weight":
+                    continue
+                out[name] = p.detach().to("cpu", copy=True).contiguous()
+            for name, buf in self.module.named_buffers():
+                if "rotary" in name or "inv_freq" in name:
+                    continue
+                out.setdefault(name, buf.detach().to("cpu", copy=True).contiguous())
+        return out
+
+    def save_hf(self, out_dir: str, tokenizer=None) -> None:
+        """Write a transformers-loadable folder (safetensors) from rank 0."""
+        from safetensors.torch import save_file
+
+        state = self.state_dict_for_export()
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            self.hf_config.save_pretrained(out_dir)
+            save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+            gen = getattr(self.module, "generation_config", None)
+            if gen is not None:
+                gen.save_pretrained(out_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out_dir)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()

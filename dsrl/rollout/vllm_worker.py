@@ -1,0 +1,103 @@
+"""vLLM rollout worker: the engine core runs in its own process (vLLM's multiprocessing mode),
+so its thread pinning never touches the trainer. One worker per trainer rank; each generates
+its rank's share of the prompts.
+
+Weight push: the trainer writes its full weights to one safetensors file and the engine reloads
+them in place (`reload_weights`; plain `load_weights` fails on CPU because weights are repacked).
+One file per push, not one RPC per parameter."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+
+@dataclass
+class Completion:
+    token_ids: list
+    logprobs: list  # sampling log-prob of each token (after temperature: processed_logprobs)
+    finish_reason: str
+    text: str
+
+
+def _cpu_env(kv_cache_gib: int, local_rank: int, local_world: int) -> dict:
+    """vLLM-CPU settings read by the engine process at start-up."""
+    ncpu = os.cpu_count() or 1
+    per = max(1, ncpu // max(local_world, 1))
+    lo = (local_rank * per) % ncpu
+    cores = f"{lo}-{lo + per - 1}" if per > 1 else f"{lo}"
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
+        "VLLM_CPU_OMP_THREADS_BIND": cores,
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    }
+
+
+class VLLMWorker:
+    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
+                 kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
+                 local_rank: int = 0, local_world: int = 1, weights_dir: Optional[str] = None):
+        from vllm import LLM
+
+        if not torch.cuda.is_available():
+            # Read once by the spawned engine process; set before it starts.
+            os.environ.update(_cpu_env(kv_cache_gib, local_rank, local_world))
+        self.weights_dir = weights_dir
+        t0 = time.time()
+        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                       enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+                       logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                       disable_log_stats=True)
+        self.start_seconds = time.time() - t0
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
+                 max_tokens: int, show_progress: bool = False) -> List[List[Completion]]:
+        """n completions per prompt, each with its sampling log-probs."""
+        from vllm import SamplingParams
+
+        greedy = temperature == 0.0
+        params = SamplingParams(n=n, temperature=temperature, top_p=1.0 if greedy else top_p,
+                                max_tokens=max_tokens, logprobs=None if greedy else 0)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params,
+                                 use_tqdm=show_progress)
+        result = []
+        for out in outs:
+            group = []
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps = []
+                if c.logprobs is not None:
+                    lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs)]
+                group.append(Completion(ids, lps, str(c.finish_reason), c.text))
+            result.append(group)
+        return result
+
+    def push_weights(self, state: dict, step: int) -> float:
+        """Reload the engine's weights from the trainer's full state dict; returns seconds."""
+        from safetensors.torch import save_file
+
+        t0 = time.time()
+        os.makedirs(self.weights_dir, exist_ok=True)
+        path = os.path.join(self.weights_dir, "model.safetensors")
+        tmp = path + ".tmp"
+        save_file(state, tmp, metadata={"format": "pt", "step": str(step)})
+        os.replace(tmp, path)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.weights_dir})
+        return time.time() - t0
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        self.llm = None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                try:
+                    shutdown()
+                except Exception:  # engine already gone
+                    pass
+            del llm
