@@ -5,8 +5,10 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${DSRL_VENV:-$ROOT/.venv}"
 CACHE="${DSRL_CACHE:-$ROOT/.cache}"
-STAMP="$VENV/.dsrl-setup-v1"
-if [ -f "$STAMP" ]; then exit 0; fi
+STAMP="$VENV/.dsrl-setup"
+# The stamp holds a hash of what set-up installs: a changed pin re-runs set-up, nothing else does.
+WANT="$(cat "$ROOT/launch/setup.sh" "$ROOT/launch/requirements.txt" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then exit 0; fi
 
 PY="${PYTHON:-python3}"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -30,6 +32,7 @@ $PIP install -q --no-deps -e "$ROOT"
 
 mkdir -p "$CACHE"
 # Warm DeepSpeed's JIT op cache (shm comm op, ~80 s once) and convert the model (once).
+export TORCH_EXTENSIONS_DIR="$CACHE/torch_extensions" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 "$VENV/bin/python" -m dsrl.setup_assets --cache "$CACHE"
-touch "$STAMP"
+echo "$WANT" > "$STAMP"
 echo "[setup] done: $VENV"

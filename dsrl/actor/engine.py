@@ -169,6 +169,11 @@ class ActorEngine:
                                 entropy=ent, reuse_training_logprobs=reuse_training_logprobs,
                                 sample_indices=mb.get("sample_indices"))
             out = objective.fn(inputs)
+            if "rollout_log_probs" in mb:
+                # Trainer-vs-rollout-engine agreement on these exact tokens (weight-push check).
+                diff = (lp.detach() - mb["rollout_log_probs"]).abs() * mb["loss_mask"]
+                out.metrics["rollout/abs_diff_sum"] = diff.sum()
+                out.metrics["rollout/tokens"] = mb["loss_mask"].sum()
         if not forward_only:
             scale = float(self.dp_world_size if loss_scale is None else loss_scale)
             self.engine.set_gradient_accumulation_boundary(bool(is_last))
@@ -178,8 +183,12 @@ class ActorEngine:
     def optimizer_step(self) -> float:
         """Apply the accumulated gradient; returns the global grad norm (before clipping)."""
         self.engine.set_gradient_accumulation_boundary(True)
+        pre_norm = None
+        if self.zero_stage == 0:  # DeepSpeed records the norm only for ZeRO optimizers
+            grads = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]
+            pre_norm = torch.stack(grads).norm() if grads else torch.tensor(0.0)
         self.engine.step()
-        norm = self.engine.get_global_grad_norm()
+        norm = pre_norm if pre_norm is not None else self.engine.get_global_grad_norm()
         if norm is None:
             return float("nan")
         return float(norm.item() if torch.is_tensor(norm) else norm)

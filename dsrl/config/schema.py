@@ -125,6 +125,26 @@ class AlgoConfig:
     use_opd: bool = False
     # OPD reverse-KL weight on advantages.
     opd_kl_coef: float = 1.0
+    # reinforce_pp discount.
+    gamma: float = 1.0
+    # TIS correction: null = built-in "vanilla"; "icepop" | "mis" | a dotted path to fn(...).
+    tis_function: Optional[str] = None
+    # KL loss times the IS ratio exp(lp - old) (unbiased KL estimate).
+    use_unbiased_kl: bool = False
+    # MIS (masked importance sampling): level token | sequence | geometric.
+    mis_level: str = "token"
+    # MIS mode: truncate | clip | mask.
+    mis_mode: str = "truncate"
+    # MIS ratio bounds.
+    mis_lower: float = 0.5
+    mis_upper: float = 2.0
+    # MIS per-token veto: any token ratio below this zeroes its sequence (null disables).
+    mis_veto_threshold: Optional[float] = 1.0e-4
+    # MIS: divide weights by their masked batch mean.
+    mis_batch_normalize: bool = True
+    # MIS optional rejection-sampling bounds (mask outside; null disables).
+    mis_rs_lower: Optional[float] = None
+    mis_rs_upper: Optional[float] = None
 
 
 @dataclass
@@ -202,5 +222,9 @@ def to_config(cfg: Any) -> Config:
     """DictConfig (Hydra) -> typed Config object."""
     from omegaconf import OmegaConf
 
-    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    # Merge a plain container into the typed schema: keys the schema lacks (even ones added
+    # with Hydra's "+key=") are rejected here, naming the key.
+    plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    plain.pop("hydra", None)
+    merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
     return OmegaConf.to_object(merged)

@@ -1,0 +1,37 @@
+# dsrl: `make train` and `make test` set everything up on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dsrl-setup
+ARGS ?=
+PYTEST_ARGS ?=
+export RAY_AUTH_MODE ?= disabled
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+
+.PHONY: setup train train-2rank test test-fast bench-reuse bench-logprobs clean-outputs
+
+setup: $(STAMP)
+
+$(STAMP): launch/setup.sh launch/requirements.txt pyproject.toml
+	bash launch/setup.sh
+
+train: setup
+	$(PY) -m dsrl.main +exp=grpo_reuse $(ARGS)
+
+# Two ranks on one machine (gloo on CPU); DeepSpeed's launcher takes --module, not -m.
+train-2rank: setup
+	$(VENV)/bin/deepspeed --num_gpus 2 --master_port 29531 --module dsrl.main +exp=grpo_reuse $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench-reuse: setup
+	$(PY) bench/bench_reuse.py $(ARGS)
+
+bench-logprobs: setup
+	$(PY) bench/bench_logprobs.py $(ARGS)
+
+clean-outputs:
+	rm -rf outputs multirun

@@ -1,0 +1,114 @@
+"""Hydra entry point: compose -> validate (before anything heavy) -> build -> run.
+
+    python -m dsrl.main +exp=grpo_reuse [overrides]
+    deepspeed --num_gpus 2 -m dsrl.main +exp=grpo_reuse actor.zero_stage=3
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from dsrl.config.schema import register_configs
+
+log = logging.getLogger("dsrl")
+register_configs()
+
+
+def _configure_env(cache_dir: str) -> None:
+    # DeepSpeed's JIT op cache lives in the project cache (warmed by set-up).
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(cache_dir, "torch_extensions"))
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if _has_cuda() else "cpu")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run(cfg_node: DictConfig, run_dir: str) -> dict:
+    """Validate, build every component, train. Returns the run summary."""
+    from dsrl.config.reuse import decide_reuse
+    from dsrl.config.schema import to_config
+    from dsrl.config.validate import validate
+
+    cfg = to_config(cfg_node)
+    validate(cfg)  # config errors surface here, before any model loads
+    decision = decide_reuse(cfg)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from dsrl.actor.engine import ActorEngine, init_distributed
+    from dsrl.data.chat import apply_chat_template
+    from dsrl.data.registry import build_source
+    from dsrl.distributed.ranks import global_rank, is_main_rank, local_rank, world_size
+    from dsrl.reward.registry import verifier_for_source
+    from dsrl.rollout.vllm_worker import VLLMWorker
+    from dsrl.setup_assets import default_cache_dir, resolve_model_path
+    from dsrl.trainer import Trainer
+
+    cache = str(default_cache_dir())
+    _configure_env(cache)
+    model_path = resolve_model_path(cfg.model.path, cache)
+    source = build_source(cfg.data)
+    verifier = verifier_for_source(source)
+
+    init_distributed()
+    torch.manual_seed(cfg.trainer.seed)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size())
+    threads = cfg.actor.num_threads or max(1, (os.cpu_count() or 1) // max(local_world, 1))
+    torch.set_num_threads(threads)
+    if is_main_rank():
+        OmegaConf.save(cfg_node, os.path.join(run_dir, "config.yaml"), resolve=True)
+        log.info("run dir: %s | ranks: %d | model: %s", run_dir, world_size(), model_path)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    worker = VLLMWorker(model_path, dtype=cfg.rollout.dtype, seed=cfg.rollout.seed + 1000 * global_rank(),
+                        max_model_len=cfg.rollout.max_model_len, kv_cache_gib=cfg.rollout.kv_cache_gib,
+                        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                        enforce_eager=cfg.rollout.enforce_eager, local_rank=local_rank(), local_world=local_world,
+                        weights_dir=os.path.join(run_dir, ".weights", f"rank{global_rank()}"))
+    a, ac, m = cfg.algo, cfg.actor, cfg.model
+    common = dict(zero_stage=ac.zero_stage, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                  attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
+                  persistence_threshold=ac.stage3_param_persistence_threshold, temperature=cfg.rollout.temperature)
+    actor = ActorEngine(model_path, trainable=True, lr=ac.lr, betas=ac.betas, eps=ac.eps,
+                        weight_decay=ac.weight_decay, grad_clip=ac.grad_clip, micro_batch_size=ac.micro_batch_size,
+                        gradient_checkpointing=ac.gradient_checkpointing, **common)
+    needs_ref = a.kl_coef != 0 or a.use_kl_loss
+    ref = ActorEngine(model_path, trainable=False, role="ref", micro_batch_size=ac.forward_micro_batch_size,
+                      **common) if needs_ref else None
+
+    def prompt_ids(p):
+        return apply_chat_template(tokenizer, p, cfg.data.system_prompt, cfg.data.chat_template)
+
+    trainer = Trainer(cfg, actor=actor, ref=ref, worker=worker, tokenizer=tokenizer, source=source,
+                      verifier=verifier, prompt_ids_fn=prompt_ids, decision=decision, run_dir=run_dir)
+    try:
+        return trainer.fit()
+    finally:
+        worker.close()
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from dsrl.config.reuse import ConfigError
+
+    run_dir = HydraConfig.get().runtime.output_dir
+    try:
+        summary = run(cfg, run_dir)
+    except ConfigError as e:
+        print(f"dsrl: {e}", file=sys.stderr)
+        sys.exit(2)
+    log.info("summary: %s", summary)
+
+
+if __name__ == "__main__":
+    main()

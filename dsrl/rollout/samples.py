@@ -1,0 +1,50 @@
+"""Turn prompts into scored rollout samples, and pack samples into training microbatches."""
+from __future__ import annotations
+
+from typing import Callable, List, Sequence
+
+import torch
+
+from dsrl.actor.batch import Sample, collate
+
+
+def generate_samples(worker, prompt_ids: Sequence[Sequence[int]], prompts: Sequence, verifier: Callable, *,
+                     n: int, temperature: float, top_p: float, max_tokens: int, show_progress: bool,
+                     index_offset: int = 0) -> List[Sample]:
+    """Sample `n` completions per prompt and score each with the verifier."""
+    groups = worker.generate(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                             show_progress=show_progress)
+    samples = []
+    for g, (pids, prompt, comps) in enumerate(zip(prompt_ids, prompts, groups)):
+        for c in comps:
+            if len(c.logprobs) != len(c.token_ids):
+                raise RuntimeError(f"vLLM returned {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens")
+            samples.append(Sample(prompt_ids=list(pids), response_ids=c.token_ids, rollout_log_probs=c.logprobs,
+                                  group=g, index=index_offset + len(samples), reward=float(verifier(c.text, prompt)),
+                                  finish_reason=c.finish_reason, text=c.text))
+    return samples
+
+
+def pack_microbatches(samples: Sequence[Sample], micro_batch_size: int, pad_id: int,
+                      token_fields: dict | None = None) -> List[dict]:
+    """Consecutive chunks of `micro_batch_size` samples (a group's samples stay adjacent).
+
+    token_fields: name -> list aligned with `samples` of per-response-token tensors."""
+    out = []
+    for i in range(0, len(samples), micro_batch_size):
+        chunk = samples[i: i + micro_batch_size]
+        fields = {k: v[i: i + micro_batch_size] for k, v in (token_fields or {}).items()}
+        out.append(collate(chunk, pad_id, fields))
+    return out
+
+
+def zero_variance_groups(samples: Sequence[Sample]) -> set:
+    """Groups whose rewards are all equal: their group-normalized advantage is exactly zero."""
+    by_group: dict = {}
+    for s in samples:
+        by_group.setdefault(s.group, []).append(s.reward)
+    return {g for g, r in by_group.items() if len(r) > 1 and max(r) == min(r)}
+
+
+def response_lengths(samples: Sequence[Sample]) -> torch.Tensor:
+    return torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)

@@ -1,0 +1,248 @@
+"""The RL loop. One step: rollout -> reward -> scoring passes that are needed -> advantages ->
+train (objective from the loss registry) -> weight push -> track. Reads top to bottom; the
+components are built in dsrl.main and handed in."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from dsrl.actor.batch import Sample
+from dsrl.config.reuse import ReuseDecision
+from dsrl.config.schema import Config
+from dsrl.distributed.ranks import global_rank, is_main_rank, world_size
+from dsrl.loss.advantages import compute_advantages
+from dsrl.loss.registry import get_objective
+from dsrl.loss.types import Aggregator
+from dsrl.rollout.samples import generate_samples, pack_microbatches
+from dsrl.tracking import MetricsLogger, PhaseTimer, microbatch_bar, plot_run
+
+log = logging.getLogger("dsrl")
+PHASES = ("rollout", "old_logprobs", "ref_logprobs", "train", "weight_sync")
+
+
+def all_reduce_sum(values: List[float]) -> List[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, actor, ref, worker, tokenizer, source, verifier, prompt_ids_fn,
+                 decision: ReuseDecision, run_dir: str):
+        self.cfg, self.actor, self.ref, self.worker = cfg, actor, ref, worker
+        self.tokenizer, self.source, self.verifier, self.prompt_ids = tokenizer, source, verifier, prompt_ids_fn
+        self.decision, self.run_dir = decision, run_dir
+        self.algo = dataclasses.asdict(cfg.algo)
+        self.objective = get_objective(cfg.algo.policy_loss)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.logger = MetricsLogger(run_dir, tensorboard=cfg.logger.tensorboard)
+        self.timer = PhaseTimer(phases=PHASES)
+        self.rng = __import__("random").Random(cfg.data.seed * 1000 + global_rank())
+        a = cfg.algo
+        if a.rollout_batch_size % world_size():
+            raise ValueError(f"algo.rollout_batch_size={a.rollout_batch_size} must be divisible by the "
+                             f"number of ranks ({world_size()})")
+        self.prompts_per_rank = a.rollout_batch_size // world_size()
+        self.steps_per_rollout = (a.num_steps_per_rollout or
+                                  a.rollout_batch_size * a.n_samples_per_prompt // a.global_batch_size)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        cfg = self.cfg
+        log.info(self.decision.reason)
+        summary = {}
+        if cfg.trainer.eval_before:
+            summary["eval/accuracy_before"] = self.evaluate()
+            log.info("greedy accuracy before training: %.3f", summary["eval/accuracy_before"])
+        for step in range(1, cfg.trainer.total_steps + 1):
+            metrics = self.step(step)
+            self.logger.log(step, metrics)
+            if is_main_rank():
+                log.info(self.logger.summary_line(step, metrics))
+            if cfg.logger.plot and is_main_rank() and step % max(cfg.logger.plot_every, 1) == 0:
+                plot_run(self.logger.history, os.path.join(self.run_dir, "plot.png"))
+        if cfg.trainer.eval_after:
+            summary["eval/accuracy_after"] = self.evaluate()
+            log.info("greedy accuracy after training: %.3f", summary["eval/accuracy_after"])
+        rewards = [h.get("reward/mean", 0.0) for h in self.logger.history]
+        if rewards:
+            k = min(5, len(rewards))
+            summary["reward/first5"] = sum(rewards[:k]) / k
+            summary["reward/last5"] = sum(rewards[-k:]) / k
+        if is_main_rank():
+            if cfg.logger.plot:
+                plot_run(self.logger.history, os.path.join(self.run_dir, "plot.png"))
+            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+                import json
+                json.dump(summary, f, indent=2)
+        if cfg.trainer.save_final:
+            self.actor.save_hf(os.path.join(self.run_dir, "final_model"), tokenizer=self.tokenizer)
+        self.logger.close()
+        return summary
+
+    def step(self, step: int) -> dict:
+        cfg, a = self.cfg, self.cfg.algo
+        import time
+        t_step = time.perf_counter()
+
+        # 1-2. rollout + reward (this rank's share of the prompts)
+        with self.timer.phase("rollout"):
+            prompts = self.source.sample_train(self.prompts_per_rank, self.rng)
+            ids = [self.prompt_ids(p) for p in prompts]
+            samples = generate_samples(self.worker, ids, prompts, self.verifier, n=a.n_samples_per_prompt,
+                                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                       max_tokens=cfg.rollout.max_new_tokens,
+                                       show_progress=cfg.logger.progress and is_main_rank())
+
+        # 3-5. scoring passes, advantages, optimizer step(s)
+        metrics = self.train_on(samples)
+
+        # 6. weight push (full weights; gathered under ZeRO-3), verified on the next step's samples
+        with self.timer.phase("weight_sync"):
+            state = self.actor.state_dict_for_export()
+            self.worker.push_weights(state, step)
+            del state
+
+        rewards = [s.reward for s in samples]
+        lens = [len(s.response_ids) for s in samples]
+        tot = all_reduce_sum([sum(rewards), len(rewards), sum(lens)])
+        metrics.update(self.timer.pop())
+        metrics["reward/mean"] = tot[0] / max(tot[1], 1)
+        metrics["rollout/response_length"] = tot[2] / max(tot[1], 1)
+        metrics["timing/step"] = time.perf_counter() - t_step
+        return metrics
+
+    # ------------------------------------------------------------------ training
+    def train_on(self, samples: List[Sample]) -> dict:
+        cfg, a = self.cfg, self.cfg.algo
+        mbs = cfg.actor.micro_batch_size
+        data = {"rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
+                "loss_mask": [torch.ones(len(s.response_ids)) for s in samples],
+                "group_ids": torch.tensor([s.group for s in samples]),
+                "rollout_log_probs": [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]}
+        token_fields = {}
+
+        # Scoring passes that are actually needed (the old-policy pass is skipped under reuse).
+        with self.timer.phase("old_logprobs"):
+            if self.decision.run_old_pass:
+                data["old_log_probs"] = self._score(self.actor, samples, "actor forward")
+        with self.timer.phase("ref_logprobs"):
+            if self.ref is not None:
+                data["ref_log_probs"] = self._score(self.ref, samples, "ref forward")
+
+        compute_advantages(data, self.algo)  # detach boundary first, then the estimator
+        for key in ("old_log_probs", "ref_log_probs", "advantages"):
+            if key in data:
+                token_fields[key] = list(data[key])
+
+        # Samples with all-zero advantages carry no policy gradient: skip them in the forward
+        # (they stay in the aggregation denominators, so the gradient is unchanged).
+        keep = list(range(len(samples)))
+        if a.skip_zero_variance_groups and a.entropy_coef == 0 and not a.use_kl_loss:
+            keep = [i for i in keep if bool(data["advantages"][i].abs().sum() > 0)]
+
+        metrics = {}
+        with self.timer.phase("train"):
+            per_step = len(samples) // self.steps_per_rollout
+            for k in range(self.steps_per_rollout):
+                lo, hi = k * per_step, (k + 1) * per_step
+                idx = [i for i in keep if lo <= i < hi]
+                m = self._optimizer_step([samples[i] for i in idx],
+                                         {n: [v[i] for i in idx] for n, v in token_fields.items()},
+                                         all_samples=samples[lo:hi], mbs=mbs)
+                for n, v in m.items():
+                    metrics[n] = metrics.get(n, 0.0) + v / self.steps_per_rollout
+        return metrics
+
+    def _score(self, engine, samples: List[Sample], desc: str) -> list:
+        mbs = pack_microbatches(samples, self.cfg.actor.forward_micro_batch_size, self.pad_id)
+        with microbatch_bar(len(mbs), desc, enabled=self.cfg.logger.progress) as bar:
+            scored = engine.score(mbs, progress=bar)
+        out = []
+        for mb, lp in zip(mbs, scored):
+            mask = mb["loss_mask"].bool()
+            out.extend(lp[b][mask[b]] for b in range(lp.shape[0]))
+        return out
+
+    def _optimizer_step(self, samples: List[Sample], token_fields: dict, *, all_samples: List[Sample],
+                        mbs: int) -> dict:
+        a = self.cfg.algo
+        if self.decision.reuse:
+            # Runtime guards: reuse is only exact for one optimizer step on fresh rollout data.
+            assert self.steps_per_rollout == 1, (
+                f"reuse_logprobs requires exactly 1 optimizer step per rollout, got {self.steps_per_rollout}")
+            assert "old_log_probs" not in token_fields, "reuse_logprobs requires rollout data without actor log-probs"
+        # Global normalizers over every sample of this optimizer step on every rank.
+        lens = [len(s.response_ids) for s in all_samples]
+        g_tokens, g_seqs, g_trained_tokens = all_reduce_sum(
+            [sum(lens), len(lens), sum(len(s.response_ids) for s in samples)])
+        g_mb = all_reduce_sum([float(max(1, -(-len(samples) // mbs)))])[0]
+        norm_len = float(self.cfg.rollout.max_new_tokens)
+        microbatches = pack_microbatches(samples, mbs, self.pad_id, token_fields) if samples else []
+        # Every rank must run the same number of backward calls (ZeRO collectives); pad with an
+        # empty microbatch (all-zero mask: contributes exactly zero).
+        n_mb = max(1, int(all_reduce_max(len(microbatches))))
+        while len(microbatches) < n_mb:
+            microbatches.append(_empty_microbatch(all_samples[0], self.pad_id, token_fields))
+        sums: dict = {}
+        with microbatch_bar(len(microbatches), "actor train", enabled=self.cfg.logger.progress) as bar:
+            for i, mb in enumerate(microbatches):
+                reduce = Aggregator.build(a.loss_agg_mode, mb["loss_mask"], global_tokens=g_tokens,
+                                          global_seqs=g_seqs, norm_len=norm_len)
+                out = self.actor.forward_backward(mb, self.objective, self.algo, reduce,
+                                                  reuse_training_logprobs=self.decision.reuse,
+                                                  is_last=i == len(microbatches) - 1)
+                for n, v in out.metrics.items():
+                    sums[n] = sums.get(n, 0.0) + float(v)
+                bar.update(1)
+        grad_norm = self.actor.optimizer_step()
+        names = sorted(sums)
+        totals = all_reduce_sum([sums[n] for n in names])
+        # Metrics of skipped samples are zero by construction: report them per trained token.
+        scale = g_tokens / max(g_trained_tokens, 1.0) if a.loss_agg_mode == "token-mean" else 1.0
+        out = {}
+        for n, v in zip(names, totals):
+            key = n if "/" in n else f"train/{n}"
+            out[key] = v if (n in ("loss", "pg_loss") or "/" in n) else v * scale
+        out["train/grad_norm"] = grad_norm
+        out["train/trained_fraction"] = g_trained_tokens / max(g_tokens, 1.0)
+        out["train/microbatches"] = g_mb
+        # Weight-push check: trainer vs vLLM log-probs of the new samples (before this update).
+        diff_sum, diff_tokens = out.pop("rollout/abs_diff_sum", 0.0), out.pop("rollout/tokens", 0.0)
+        out["rollout/logprob_diff"] = diff_sum / max(diff_tokens, 1.0)
+        return out
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> float:
+        """Greedy accuracy on the held-out prompts (split across ranks)."""
+        prompts = self.source.eval_set(self.cfg.data.num_eval)
+        mine = prompts[global_rank()::world_size()]
+        ids = [self.prompt_ids(p) for p in mine]
+        groups = self.worker.generate(ids, n=1, temperature=0.0, top_p=1.0,
+                                      max_tokens=self.cfg.rollout.max_new_tokens,
+                                      show_progress=self.cfg.logger.progress and is_main_rank())
+        correct = sum(float(self.verifier(g[0].text, p)) for g, p in zip(groups, mine))
+        c, n = all_reduce_sum([correct, len(mine)])
+        return c / max(n, 1)
+
+
+def all_reduce_max(value: float) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _empty_microbatch(template: Sample, pad_id: int, token_fields: dict) -> dict:
+    from dsrl.actor.batch import collate
+
+    s = dataclasses.replace(template, response_ids=[pad_id], rollout_log_probs=[0.0], index=-1)
+    mb = collate([s], pad_id, {k: [torch.zeros(1)] for k in token_fields})
+    mb["loss_mask"].zero_()
+    return mb
