@@ -129,11 +129,12 @@ class Trainer:
         token_fields = {}
 
         # Scoring passes that are actually needed (the old-policy pass is skipped under reuse).
-        with self.timer.phase("old_logprobs"):
-            if self.decision.run_old_pass:
+        # (A skipped pass reports exactly 0.0 s.)
+        if self.decision.run_old_pass:
+            with self.timer.phase("old_logprobs"):
                 data["old_log_probs"] = self._score(self.actor, samples, "actor forward")
-        with self.timer.phase("ref_logprobs"):
-            if self.ref is not None:
+        if self.ref is not None:
+            with self.timer.phase("ref_logprobs"):
                 data["ref_log_probs"] = self._score(self.ref, samples, "ref forward")
 
         compute_advantages(data, self.algo)  # detach boundary first, then the estimator

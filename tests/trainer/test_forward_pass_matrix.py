@@ -1,0 +1,158 @@
+"""Which forward passes the trainer runs for each combination of reuse / use_rollout_logprobs /
+KL loss, and the runtime guards of the reuse path. Engines and the rollout worker are fakes
+(this tests the loop around them); the objectives and advantage estimators are the real ones."""
+import dataclasses
+import types
+
+import pytest
+import torch
+
+from dsrl.config.reuse import ConfigError, decide_reuse
+from dsrl.config.schema import Config
+from dsrl.config.validate import validate
+from dsrl.data.types import user_prompt
+from dsrl.loss.types import LossInputs
+from dsrl.rollout.vllm_worker import Completion
+from dsrl.trainer import Trainer
+
+
+class FakeWorker:
+    """Deterministic completions with alternating rewards so every group has signal."""
+
+    def __init__(self):
+        self.pushes = 0
+
+    def generate(self, prompt_ids, *, n, temperature, top_p, max_tokens, show_progress=False):
+        out = []
+        for g, _ in enumerate(prompt_ids):
+            out.append([Completion([5 + j, 6, 7][: 2 + (j % 2)], [-0.5, -0.25, -1.0][: 2 + (j % 2)], "stop",
+                                   "1" if j % 2 else "0") for j in range(n)])
+        return out
+
+    def push_weights(self, state, step):
+        self.pushes += 1
+        return 0.0
+
+
+class FakeEngine:
+    """Records passes; runs the real objective on deterministic 'log-probs' with gradient."""
+
+    def __init__(self):
+        self.score_calls = 0
+        self.train_batches = []
+        self.steps = 0
+
+    def score(self, microbatches, progress=None):
+        self.score_calls += 1
+        return [torch.full(mb["targets"].shape, -0.7) * mb["loss_mask"] for mb in microbatches]
+
+    def forward_backward(self, mb, objective, config, reduce, *, reuse_training_logprobs=False, is_last=True):
+        lp = (torch.full(mb["targets"].shape, -0.7) * mb["loss_mask"]).requires_grad_(True)
+        fixed = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "targets")}
+        self.train_batches.append(dict(keys=set(mb), reuse=reuse_training_logprobs))
+        out = objective.fn(LossInputs(log_probs=lp, mask=mb["loss_mask"], batch=fixed, config=config,
+                                      reduce=reduce, reuse_training_logprobs=reuse_training_logprobs))
+        out.loss.backward()
+        assert lp.grad is not None
+        return out
+
+    def optimizer_step(self):
+        self.steps += 1
+        return 1.0
+
+    def state_dict_for_export(self):
+        return {}
+
+
+def _cfg(**algo):
+    cfg = Config()
+    algo = {"n_samples_per_prompt": 4, "rollout_batch_size": 2, "global_batch_size": 8, **algo}
+    cfg.algo = dataclasses.replace(cfg.algo, **algo)
+    cfg.logger = dataclasses.replace(cfg.logger, tensorboard=False, plot=False, progress=False)
+    cfg.trainer = dataclasses.replace(cfg.trainer, eval_before=False, eval_after=False, save_final=False)
+    return cfg
+
+
+class FakeSource:
+    def sample_train(self, n, rng):
+        return [user_prompt(f"q{i}", "1") for i in range(n)]
+
+
+def _trainer(cfg, tmp_path, with_ref):
+    validate(cfg)
+    actor, ref = FakeEngine(), (FakeEngine() if with_ref else None)
+    tok = types.SimpleNamespace(pad_token_id=0, eos_token_id=0)
+    t = Trainer(cfg, actor=actor, ref=ref, worker=FakeWorker(), tokenizer=tok, source=FakeSource(),
+                verifier=lambda text, p: float(text == p.answer), prompt_ids_fn=lambda p: [1, 2, 3],
+                decision=decide_reuse(cfg), run_dir=str(tmp_path))
+    return t, actor, ref
+
+
+# (reuse_logprobs, use_rollout_logprobs, use_kl_loss) -> (old pass runs, reuse flag in train)
+MATRIX = [
+    ("off", False, False, True, False),
+    ("off", True, False, False, False),
+    ("off", False, True, True, False),
+    ("on", False, False, False, True),
+    ("on", True, False, False, True),
+    ("on", False, True, False, True),
+    ("on", True, True, False, True),
+    ("auto", False, False, False, True),
+    ("auto", True, True, False, True),
+]
+
+
+@pytest.mark.parametrize("mode,rollout_lp,kl_loss,old_pass,reuse", MATRIX)
+def test_forward_passes_per_combination(tmp_path, mode, rollout_lp, kl_loss, old_pass, reuse):
+    kw = dict(reuse_logprobs=mode, use_rollout_logprobs=rollout_lp, use_kl_loss=kl_loss,
+              kl_loss_coef=0.1 if kl_loss else 0.0)
+    t, actor, ref = _trainer(_cfg(**kw), tmp_path, with_ref=kl_loss)
+    m = t.step(1)
+    assert actor.score_calls == int(old_pass)
+    assert (ref.score_calls if ref else 0) == int(kl_loss)  # reference pass still runs for a KL loss
+    assert actor.steps == 1 and t.worker.pushes == 1
+    for b in actor.train_batches:
+        assert b["reuse"] is reuse
+        assert ("old_log_probs" in b["keys"]) is old_pass
+        assert ("ref_log_probs" in b["keys"]) is kl_loss
+    if not old_pass:
+        assert m["timing/old_logprobs"] == 0.0
+    if not kl_loss:
+        assert m["timing/ref_logprobs"] == 0.0
+    if reuse and not rollout_lp:
+        assert m["train/ppo_kl"] == 0.0 and m["train/pg_clipfrac"] == 0.0
+    if rollout_lp:  # rollout log-probs (-0.5/-0.25/-1.0) != trainer's -0.7: a real ratio
+        assert m["train/ppo_kl"] != 0.0
+
+
+def test_auto_falls_back_when_unsafe(tmp_path):
+    cfg = _cfg(reuse_logprobs="auto", global_batch_size=4)  # two optimizer steps per rollout
+    d = decide_reuse(cfg)
+    assert not d.reuse and d.run_old_pass and "algo.global_batch_size" in d.reason
+    t, actor, _ = _trainer(cfg, tmp_path, with_ref=False)
+    t.step(1)
+    assert actor.score_calls == 1 and actor.steps == 2
+    assert all(not b["reuse"] and "old_log_probs" in b["keys"] for b in actor.train_batches)
+
+
+def test_runtime_guard_rejects_more_than_one_optimizer_step(tmp_path):
+    cfg = _cfg(reuse_logprobs="auto", global_batch_size=4)
+    t, actor, _ = _trainer(cfg, tmp_path, with_ref=False)
+    t.decision = dataclasses.replace(t.decision, reuse=True, run_old_pass=False)  # bypass the validator
+    with pytest.raises(AssertionError, match="exactly 1 optimizer step"):
+        t.step(1)
+    assert actor.train_batches == []  # rejected before any training forward
+
+
+def test_runtime_guard_rejects_precomputed_actor_logprobs(tmp_path):
+    cfg = _cfg(reuse_logprobs="on")
+    t, actor, _ = _trainer(cfg, tmp_path, with_ref=False)
+    t.decision = dataclasses.replace(t.decision, run_old_pass=True)  # a stale old pass sneaks in
+    with pytest.raises(AssertionError, match="without actor log-probs"):
+        t.step(1)
+    assert actor.train_batches == []
+
+
+def test_on_with_blockers_fails_closed():
+    with pytest.raises(ConfigError):
+        validate(_cfg(reuse_logprobs="on", global_batch_size=4))
