@@ -1,0 +1,128 @@
+"""Prompt sources behind a name -> class registry. A source implements:
+
+    sample_train(n, rng) -> list[Prompt]   # training prompts drawn with `rng`
+    eval_set(n) -> list[Prompt]            # held out, disjoint from training, deterministic
+
+and names its default verifier (`default_verifier`, a key of dsrl.reward's registry).
+"""
+from __future__ import annotations
+
+import inspect
+import random
+from dataclasses import asdict, is_dataclass
+from typing import Any, Callable, Mapping, Optional, Protocol, Union
+
+from dsrl.data.types import Prompt
+
+RngLike = Union[random.Random, int, None, Any]
+
+
+class PromptSource(Protocol):
+    name: str
+    default_verifier: str
+
+    def sample_train(self, n: int, rng: RngLike) -> list[Prompt]: ...
+
+    def eval_set(self, n: int) -> list[Prompt]: ...
+
+
+SOURCES: dict[str, type] = {}
+
+
+def register_source(name: str) -> Callable[[type], type]:
+    def deco(cls: type) -> type:
+        if name in SOURCES:
+            raise ValueError(f"prompt source {name!r} registered twice")
+        cls.name = name
+        SOURCES[name] = cls
+        return cls
+    return deco
+
+
+def _load_builtins() -> None:
+    import dsrl.data.arith  # noqa: F401
+    import dsrl.data.gsm8k  # noqa: F401
+
+
+def source_names() -> list[str]:
+    _load_builtins()
+    return sorted(SOURCES)
+
+
+def make_source(name: str, **kwargs: Any) -> PromptSource:
+    """Instantiate a registered source; keyword arguments its constructor does not take are
+    ignored (so a whole `data` config section can be passed)."""
+    _load_builtins()
+    if name not in SOURCES:
+        raise KeyError(f"data.name={name!r}: unknown prompt source; registered: {sorted(SOURCES)}")
+    cls = SOURCES[name]
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        accepted = kwargs
+    else:
+        accepted = {k: v for k, v in kwargs.items() if k in params and k != "self"}
+    return cls(**accepted)
+
+
+def _as_mapping(cfg: Any) -> dict:
+    if cfg is None:
+        return {}
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    if is_dataclass(cfg):
+        return asdict(cfg)
+    try:  # omegaconf DictConfig without importing omegaconf eagerly
+        from omegaconf import DictConfig, OmegaConf
+        if isinstance(cfg, DictConfig):
+            return dict(OmegaConf.to_container(cfg, resolve=True))
+    except ImportError:
+        pass
+    return {k: getattr(cfg, k) for k in dir(cfg) if not k.startswith("_")}
+
+
+def build_source(data_cfg: Any) -> PromptSource:
+    """Build the source named by `data_cfg.name` from a `data` config section (dataclass,
+    DictConfig or mapping)."""
+    d = _as_mapping(data_cfg)
+    name = d.pop("name", "arith")
+    return make_source(name, **d)
+
+
+def as_random(rng: RngLike) -> random.Random:
+    """Accept a random.Random, an int seed, None (seed 0) or a numpy Generator."""
+    if isinstance(rng, random.Random):
+        return rng
+    if rng is None:
+        return random.Random(0)
+    if isinstance(rng, int):
+        return random.Random(rng)
+    if hasattr(rng, "integers"):  # numpy.random.Generator: derive a seed from it
+        return random.Random(int(rng.integers(0, 2**63 - 1)))
+    raise TypeError(f"rng must be random.Random, int, None or numpy Generator, not {type(rng)}")
+
+
+class PromptStream:
+    """The training prompt stream of a run: a source plus a seeded RNG whose state can be
+    checkpointed, so a resumed run continues the same stream."""
+
+    def __init__(self, source: PromptSource, seed: int = 0):
+        self.source = source
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.num_drawn = 0
+
+    def next(self, n: int) -> list[Prompt]:
+        out = self.source.sample_train(n, self.rng)
+        self.num_drawn += len(out)
+        return out
+
+    def state_dict(self) -> dict:
+        version, internal, gauss = self.rng.getstate()
+        return {"seed": self.seed, "num_drawn": self.num_drawn,
+                "rng_state": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        version, internal, gauss = state["rng_state"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.seed = state.get("seed", self.seed)
+        self.num_drawn = int(state.get("num_drawn", 0))

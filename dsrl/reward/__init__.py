@@ -1,0 +1,12 @@
+"""Rule-based verifiers: `fn(completion_text, prompt) -> float`, looked up by name.
+
+    fn = verifier_for_source(source)        # the source's default verifier
+    rewards = score(fn, completions, prompts)
+"""
+from dsrl.reward.registry import (VERIFIERS, Verifier, get_verifier, register_verifier, score,
+                                  verifier_for_source, verifier_names)
+from dsrl.reward.verifiers import arith_exact, find_numbers, gsm8k_last_number, normalize_number
+
+__all__ = ["VERIFIERS", "Verifier", "get_verifier", "register_verifier", "score",
+           "verifier_for_source", "verifier_names", "arith_exact", "gsm8k_last_number",
+           "find_numbers", "normalize_number"]

@@ -1,0 +1,41 @@
+"""Helpers shared by the test suites (and quick scripts): environment defaults for CPU tests
+and the model folders prepared by dsrl.setup_assets."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Optional
+
+from dsrl.setup_assets import (default_cache_dir, make_tiny_model, smollm2_path,
+                               tiny_model_path, torch_extensions_dir)
+
+__all__ = ["configure_test_env", "ensure_tiny_model", "smollm2_available", "free_port",
+           "default_cache_dir", "tiny_model_path", "smollm2_path", "torch_extensions_dir"]
+
+
+def configure_test_env(cache_dir: Optional[os.PathLike] = None) -> Path:
+    """Environment defaults for CPU tests: no Ray token auth, DeepSpeed on CPU, the shared JIT
+    op cache. Existing values are kept. Returns the cache folder."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir(cache)))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return cache
+
+
+def ensure_tiny_model(cache_dir: Optional[os.PathLike] = None) -> Path:
+    """The tiny random Llama folder, built into the cache if absent (a few seconds)."""
+    return make_tiny_model(tiny_model_path(cache_dir), cache_dir)
+
+
+def smollm2_available(cache_dir: Optional[os.PathLike] = None) -> bool:
+    p = smollm2_path(cache_dir)
+    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
