@@ -49,6 +49,7 @@ class Trainer:
             raise ValueError(f"algo.rollout_batch_size={a.rollout_batch_size} must be divisible by the "
                              f"number of ranks ({world_size()})")
         self.prompts_per_rank = a.rollout_batch_size // world_size()
+        self.hooks = [_load_callable(path) for path in cfg.trainer.before_train_step_hooks]
         self.steps_per_rollout = (a.num_steps_per_rollout or
                                   a.rollout_batch_size * a.n_samples_per_prompt // a.global_batch_size)
 
@@ -194,6 +195,8 @@ class Trainer:
         sums: dict = {}
         with microbatch_bar(len(microbatches), "actor train", enabled=self.cfg.logger.progress) as bar:
             for i, mb in enumerate(microbatches):
+                for hook in self.hooks:
+                    hook(mb)
                 reduce = Aggregator.build(a.loss_agg_mode, mb["loss_mask"], global_tokens=g_tokens,
                                           global_seqs=g_seqs, norm_len=norm_len)
                 out = self.actor.forward_backward(mb, self.objective, self.algo, reduce,
@@ -203,6 +206,8 @@ class Trainer:
                     sums[n] = sums.get(n, 0.0) + float(v)
                 bar.update(1)
         grad_norm = self.actor.optimizer_step()
+        if self.cfg.trainer.check_rank_sync:
+            self._assert_ranks_in_sync()
         names = sorted(sums)
         totals = all_reduce_sum([sums[n] for n in names])
         # Metrics of skipped samples are zero by construction: report them per trained token.
@@ -219,6 +224,20 @@ class Trainer:
         out["rollout/logprob_diff"] = diff_sum / max(diff_tokens, 1.0)
         return out
 
+    def _assert_ranks_in_sync(self) -> None:
+        """Every rank must hold bit-identical full parameters after an optimizer step."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        with self.actor.full_parameters():
+            digest = torch.stack([p.detach().double().sum() + p.detach().double().abs().sum()
+                                  for p in self.actor.module.parameters()])
+        lo, hi = digest.clone(), digest.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        if not torch.equal(lo, hi):
+            bad = int((lo != hi).nonzero()[0].item())
+            raise RuntimeError(f"ranks diverged after the optimizer step (parameter #{bad} differs)")
+
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> float:
         """Greedy accuracy on the held-out prompts (split across ranks)."""
@@ -231,6 +250,16 @@ class Trainer:
         correct = sum(float(self.verifier(g[0].text, p)) for g, p in zip(groups, mine))
         c, n = all_reduce_sum([correct, len(mine)])
         return c / max(n, 1)
+
+
+def _load_callable(path: str):
+    import importlib
+
+    mod, _, name = path.replace(":", ".").rpartition(".")
+    try:
+        return getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"trainer.before_train_step_hooks: cannot load {path!r}: {e}") from e
 
 
 def all_reduce_max(value: float) -> float:

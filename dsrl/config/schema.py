@@ -178,8 +178,8 @@ class TrainerConfig:
     save_final: bool = True
     # Dotted paths called as fn(batch) before each train step (a hook replays inputs: breaks reuse).
     before_train_step_hooks: list = field(default_factory=list)
-    # Verify each weight push with the trainer-vs-vLLM log-prob check.
-    check_weight_sync: bool = True
+    # Assert after every optimizer step that all ranks hold identical parameters (one gather).
+    check_rank_sync: bool = False
 
 
 @dataclass

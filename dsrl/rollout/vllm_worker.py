@@ -23,6 +23,27 @@ class Completion:
     text: str
 
 
+def reload_and_retie(worker, weights_path: str) -> int:
+    """Runs inside each vLLM worker (sent through collective_rpc). `reload_weights` reloads the
+    input embedding but skips a tied `lm_head` (the checkpoint has no such tensor), and on CPU
+    the head computes logits from a copy prepacked at load time; so copy the new embedding into
+    the head and re-run its post-load processing (which repacks it). Returns 1 if re-tied."""
+    worker.reload_weights(weights_path=weights_path)
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    if head is None or not tied:
+        return 0
+    emb = model.model.embed_tokens.weight
+    with torch.no_grad():
+        if head.weight is not emb:
+            head.weight.data.copy_(emb.data)
+        method = getattr(head, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(head)
+    return 1
+
+
 def _cpu_env(kv_cache_gib: int, local_rank: int, local_world: int) -> dict:
     """vLLM-CPU settings read by the engine process at start-up."""
     ncpu = os.cpu_count() or 1
@@ -37,14 +58,19 @@ def _cpu_env(kv_cache_gib: int, local_rank: int, local_world: int) -> dict:
     }
 
 
+# collective_rpc may carry a function (reload_and_retie) only with this set.
+_RPC_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
 class VLLMWorker:
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
                  kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
                  local_rank: int = 0, local_world: int = 1, weights_dir: Optional[str] = None):
         from vllm import LLM
 
+        # Read once by the spawned engine process; set before it starts.
+        os.environ.update(_RPC_ENV)
         if not torch.cuda.is_available():
-            # Read once by the spawned engine process; set before it starts.
             os.environ.update(_cpu_env(kv_cache_gib, local_rank, local_world))
         self.weights_dir = weights_dir
         t0 = time.time()
@@ -86,7 +112,9 @@ class VLLMWorker:
         tmp = path + ".tmp"
         save_file(state, tmp, metadata={"format": "pt", "step": str(step)})
         os.replace(tmp, path)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.weights_dir})
+        self.llm.collective_rpc(reload_and_retie, args=(self.weights_dir,))
+        # Cached prefix KV was computed with the old weights: drop it.
+        self.llm.reset_prefix_cache()
         return time.time() - t0
 
     def close(self) -> None:
