@@ -110,5 +110,18 @@ def main(cfg: DictConfig) -> None:
     log.info("summary: %s", summary)
 
 
+def _strip_launcher_args() -> None:
+    """DeepSpeed's launcher appends --local_rank=N, which Hydra's parser rejects; the same value
+    is in the LOCAL_RANK environment variable the launcher sets."""
+    keep = []
+    for arg in sys.argv[1:]:
+        if arg.startswith("--local_rank"):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1] if "=" in arg else "0")
+            continue
+        keep.append(arg)
+    sys.argv[1:] = keep
+
+
 if __name__ == "__main__":
+    _strip_launcher_args()
     main()
