@@ -32,6 +32,15 @@ def _has_cuda() -> bool:
 
 def run(cfg_node: DictConfig, run_dir: str) -> dict:
     """Validate, build every component, train. Returns the run summary."""
+    trainer = build(cfg_node, run_dir)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.worker.close()
+
+
+def build(cfg_node: DictConfig, run_dir: str):
+    """Validate the config (before anything heavy), then build the components into a Trainer."""
     from dsrl.config.reuse import decide_reuse
     from dsrl.config.schema import to_config
     from dsrl.config.validate import validate
@@ -83,16 +92,14 @@ def run(cfg_node: DictConfig, run_dir: str) -> dict:
     needs_ref = a.kl_coef != 0 or a.use_kl_loss
     ref = ActorEngine(model_path, trainable=False, role="ref", micro_batch_size=ac.forward_micro_batch_size,
                       **common) if needs_ref else None
+    teacher = ActorEngine(resolve_model_path(m.teacher_path, cache), trainable=False, role="teacher",
+                          micro_batch_size=ac.forward_micro_batch_size, **common) if a.use_opd else None
 
     def prompt_ids(p):
         return apply_chat_template(tokenizer, p, cfg.data.system_prompt, cfg.data.chat_template)
 
-    trainer = Trainer(cfg, actor=actor, ref=ref, worker=worker, tokenizer=tokenizer, source=source,
-                      verifier=verifier, prompt_ids_fn=prompt_ids, decision=decision, run_dir=run_dir)
-    try:
-        return trainer.fit()
-    finally:
-        worker.close()
+    return Trainer(cfg, actor=actor, ref=ref, teacher=teacher, worker=worker, tokenizer=tokenizer, source=source,
+                   verifier=verifier, prompt_ids_fn=prompt_ids, decision=decision, run_dir=run_dir)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

@@ -22,7 +22,7 @@ from dsrl.rollout.samples import generate_samples, pack_microbatches
 from dsrl.tracking import MetricsLogger, PhaseTimer, microbatch_bar, plot_run
 
 log = logging.getLogger("dsrl")
-PHASES = ("rollout", "old_logprobs", "ref_logprobs", "train", "weight_sync")
+PHASES = ("rollout", "old_logprobs", "ref_logprobs", "teacher_logprobs", "train", "weight_sync")
 
 
 def all_reduce_sum(values: List[float]) -> List[float]:
@@ -34,8 +34,8 @@ def all_reduce_sum(values: List[float]) -> List[float]:
 
 class Trainer:
     def __init__(self, cfg: Config, *, actor, ref, worker, tokenizer, source, verifier, prompt_ids_fn,
-                 decision: ReuseDecision, run_dir: str):
-        self.cfg, self.actor, self.ref, self.worker = cfg, actor, ref, worker
+                 decision: ReuseDecision, run_dir: str, teacher=None):
+        self.cfg, self.actor, self.ref, self.teacher, self.worker = cfg, actor, ref, teacher, worker
         self.tokenizer, self.source, self.verifier, self.prompt_ids = tokenizer, source, verifier, prompt_ids_fn
         self.decision, self.run_dir = decision, run_dir
         self.algo = dataclasses.asdict(cfg.algo)
@@ -137,6 +137,9 @@ class Trainer:
         if self.ref is not None:
             with self.timer.phase("ref_logprobs"):
                 data["ref_log_probs"] = self._score(self.ref, samples, "ref forward")
+        if self.teacher is not None:
+            with self.timer.phase("teacher_logprobs"):
+                data["teacher_log_probs"] = self._score(self.teacher, samples, "teacher forward")
 
         compute_advantages(data, self.algo)  # detach boundary first, then the estimator
         for key in ("old_log_probs", "ref_log_probs", "advantages"):

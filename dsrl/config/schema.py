@@ -19,6 +19,8 @@ class ModelConfig:
     # Dropout probabilities set on the HF config at load; anything > 0 breaks log-prob reuse.
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    # OPD teacher: HF folder | "smollm2" | "tiny"; scored forward-only on its own DeepSpeed engine.
+    teacher_path: Optional[str] = None
 
 
 @dataclass

@@ -64,8 +64,8 @@ def validate(cfg: Config) -> None:
         errors.append("algo.kl_coef and algo.kl_loss_coef cannot both be non-zero (KL in reward and in loss)")
     if a.use_kl_loss and a.kl_loss_coef == 0:
         errors.append("algo.use_kl_loss=true needs algo.kl_loss_coef != 0")
-    if a.use_opd:
-        errors.append("algo.use_opd: on-policy distillation needs a teacher model, which the RL trainer does not load yet")
+    if a.use_opd and not cfg.model.teacher_path:
+        errors.append("algo.use_opd=true needs model.teacher_path (the teacher scored forward-only)")
     if a.keep_old_actor:
         errors.append("algo.keep_old_actor: a frozen old-actor copy is not implemented by the trainer")
     _check_registry(cfg, errors)

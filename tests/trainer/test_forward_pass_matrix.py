@@ -37,14 +37,15 @@ class FakeWorker:
 class FakeEngine:
     """Records passes; runs the real objective on deterministic 'log-probs' with gradient."""
 
-    def __init__(self):
+    def __init__(self, value=-0.7):
+        self.value = value
         self.score_calls = 0
         self.train_batches = []
         self.steps = 0
 
     def score(self, microbatches, progress=None):
         self.score_calls += 1
-        return [torch.full(mb["targets"].shape, -0.7) * mb["loss_mask"] for mb in microbatches]
+        return [torch.full(mb["targets"].shape, self.value) * mb["loss_mask"] for mb in microbatches]
 
     def forward_backward(self, mb, objective, config, reduce, *, reuse_training_logprobs=False, is_last=True):
         lp = (torch.full(mb["targets"].shape, -0.7) * mb["loss_mask"]).requires_grad_(True)
@@ -156,3 +157,29 @@ def test_runtime_guard_rejects_precomputed_actor_logprobs(tmp_path):
 def test_on_with_blockers_fails_closed():
     with pytest.raises(ConfigError):
         validate(_cfg(reuse_logprobs="on", global_batch_size=4))
+
+
+def test_opd_scores_the_teacher_and_keeps_the_old_pass(tmp_path):
+    cfg = _cfg(reuse_logprobs="auto", use_opd=True, opd_kl_coef=0.5)
+    cfg.model = dataclasses.replace(cfg.model, teacher_path="tiny")
+    validate(cfg)
+    d = decide_reuse(cfg)
+    assert not d.reuse and "algo.use_opd" in d.reason
+    actor, teacher = FakeEngine(), FakeEngine(value=-0.9)
+    tok = types.SimpleNamespace(pad_token_id=0, eos_token_id=0)
+    t = Trainer(cfg, actor=actor, ref=None, teacher=teacher, worker=FakeWorker(), tokenizer=tok,
+                source=FakeSource(), verifier=lambda text, p: float(text == p.answer),
+                prompt_ids_fn=lambda p: [1, 2, 3], decision=d, run_dir=str(tmp_path))
+    seen = {}
+    real = t.actor.forward_backward
+
+    def spy(mb, *a, **k):
+        seen.setdefault("adv", []).append(mb["advantages"][mb["loss_mask"] > 0])
+        return real(mb, *a, **k)
+    t.actor.forward_backward = spy
+    m = t.step(1)
+    assert actor.score_calls == 1 and teacher.score_calls == 1 and m["timing/teacher_logprobs"] > 0
+    # GRPO advantages are +-0.866 (group of 4 with rewards 0,1,0,1: centred +-0.5, unbiased std
+    # 0.577); OPD subtracts opd_kl_coef * (student - teacher) = 0.5 * (-0.7 + 0.9) = 0.1 per token.
+    adv = torch.cat(seen["adv"])
+    assert torch.allclose((adv + 0.1).abs(), torch.full_like(adv, 0.5 / (0.5773502691896258 + 1e-6)), atol=1e-5)
