@@ -95,10 +95,24 @@ class ActorEngine:
                                     grad_clip=grad_clip if trainable else 0.0,
                                     persistence_threshold=persistence_threshold)
         self.ds_config = ds_config
-        ctx = deepspeed.zero.Init(config_dict_or_path=ds_config) if zero_stage == 3 else contextlib.nullcontext()
-        with ctx:
+        # ZeRO-3: transformers must know, so that it builds the model under zero.Init *and* loads
+        # the checkpoint into the partitioned parameters (a bare zero.Init context leaves every
+        # weight size-0 and the load fails). The HF flag is process-global: unset it right after
+        # loading so a later non-ZeRO-3 engine in the same process is built normally.
+        hf_ds = None
+        if zero_stage == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            hf_ds = HfDeepSpeedConfig(ds_config)
+        try:
             model = AutoModelForCausalLM.from_pretrained(
                 model_path, config=hf_config, dtype=_DTYPES[dtype], attn_implementation=attn_implementation)
+        finally:
+            if hf_ds is not None:
+                from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+                unset_hf_deepspeed_config()
+                del hf_ds
         if gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
@@ -178,10 +192,30 @@ class ActorEngine:
             scale = float(self.dp_world_size if loss_scale is None else loss_scale)
             self.engine.set_gradient_accumulation_boundary(bool(is_last))
             self.engine.backward(out.loss * scale, scale_wrt_gas=False)
+            # is_last=False leaves the gradient unreduced (ZeRO-0/1) or not finalized (ZeRO-2);
+            # optimizer_step() then closes the accumulation window itself (Tinker work units
+            # never know which forward_backward is the last before optim_step).
+            self._open_accumulation = not is_last
         return out
+
+    def _close_accumulation_window(self) -> None:
+        """Make the accumulated local gradients step-ready without another backward: the
+        boundary work DeepSpeed would have done in the last backward had it been marked
+        is_last (ZeRO-0/1: all-reduce / reduce of the local sums; ZeRO-2/3: finalize the
+        partitions already reduced per backward). Collective: every rank must call it."""
+        if not getattr(self, "_open_accumulation", False):
+            return
+        eng = self.engine
+        eng.set_gradient_accumulation_boundary(True)
+        if eng.zero_optimization_partition_gradients():
+            eng.optimizer.finalize_gradient_accumulation_boundary()
+        else:
+            eng.allreduce_gradients()
+        self._open_accumulation = False
 
     def optimizer_step(self) -> float:
         """Apply the accumulated gradient; returns the global grad norm (before clipping)."""
+        self._close_accumulation_window()
         self.engine.set_gradient_accumulation_boundary(True)
         pre_norm = None
         if self.zero_stage == 0:  # DeepSpeed records the norm only for ZeRO optimizers

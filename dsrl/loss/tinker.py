@@ -1,0 +1,211 @@
+"""Tinker's five built-in losses, registered in the shared objective registry.
+
+Names live under a ``tinker:`` namespace (``tinker:cross_entropy``, ``tinker:importance_sampling``,
+``tinker:ppo``, ``tinker:cispo``, ``tinker:dro``) so they never clash with the native RL
+objectives (``ppo``, ``cispo``, ...); `tinker_objective_name` maps a Tinker ``loss_fn`` string
+to the registry name.
+
+Semantics (Tinker protocol §1): every loss is a *raw sum* over tokens and datums -- no division
+by token count, datum count, microbatch count or DP world size; normalization is the client's
+business (weights / advantages). With ``lp`` the target log-probs, ``q`` the sampler log-probs
+(``batch["sampling_logprobs"]``), ``A`` the advantages, ``w`` the cross-entropy weights
+(``batch["loss_weights"]``), ``r = exp(lp - q)`` and ``m`` the loss mask, the per-datum loss is
+
+    cross_entropy        -sum m * w * lp
+    importance_sampling  -sum m * r * A
+    ppo                  -sum m * min(r * A, clip(r, lo, hi) * A)      lo/hi absolute (0.8, 1.2)
+    cispo                -sum m * sg[clip(r, lo, hi)] * lp * A         (0.0, 4.0)
+    dro                  -sum m * (lp * A - beta/2 * (lp - q)^2)       beta 0.05
+
+A masked-out position contributes exactly zero value and gradient (the log-ratio is masked
+*before* the exponential, so no inf * 0 can appear).
+
+Each objective returns ``LossOutput(loss, metrics={"loss:sum": ...}, per_datum=[...])`` where
+``per_datum`` holds, for every row, ``{"sample_index", "logprobs", "loss", "elementwise_loss"}``
+detached on the CPU
+(``logprobs`` covers the datum's first ``batch["datum_lengths"][b]`` columns, default the whole
+row). Outputs travel with the return value -- nothing is collected in module state.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+import torch
+
+from dsrl.loss.registry import register_objective
+from dsrl.loss.types import Aggregator, LossInputs, LossOutput
+
+NAMESPACE = "tinker:"
+
+# Tinker loss_fn -> accepted loss_fn_config keys with their defaults.
+CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {"beta": 0.05},
+}
+
+# Tinker loss_fn -> required per-token loss_fn_inputs (client names).
+REQUIRED_INPUTS: dict[str, tuple] = {
+    "cross_entropy": ("target_tokens", "weights"),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
+    "dro": ("target_tokens", "logprobs", "advantages"),
+}
+
+# Client loss_fn_inputs key -> key of LossInputs.batch (target_tokens become the gather labels).
+BATCH_KEYS = {"weights": "loss_weights", "logprobs": "sampling_logprobs", "advantages": "advantages"}
+
+TINKER_LOSS_FNS = tuple(CONFIG_DEFAULTS)
+
+
+def tinker_objective_name(loss_fn: str) -> str:
+    """Registry name of a Tinker ``loss_fn``; ValueError for anything Tinker-unknown."""
+    if loss_fn not in CONFIG_DEFAULTS:
+        raise ValueError(f"unsupported loss_fn {loss_fn!r}; supported: {list(TINKER_LOSS_FNS)}")
+    return NAMESPACE + loss_fn
+
+
+def resolve_config(loss_fn: str, loss_fn_config: Optional[Mapping[str, Any]]) -> dict:
+    """Defaults merged with the request's ``loss_fn_config``.
+
+    Unknown keys raise ValueError naming the key and the loss; ints are accepted as floats;
+    non-numeric or non-finite values and inverted clip bounds are rejected."""
+    loss_fn = loss_fn[len(NAMESPACE):] if loss_fn.startswith(NAMESPACE) else loss_fn
+    if loss_fn not in CONFIG_DEFAULTS:
+        raise ValueError(f"unsupported loss_fn {loss_fn!r}; supported: {list(TINKER_LOSS_FNS)}")
+    defaults = CONFIG_DEFAULTS[loss_fn]
+    out = dict(defaults)
+    for key, value in dict(loss_fn_config or {}).items():
+        if key not in defaults:
+            allowed = sorted(defaults) if defaults else "none"
+            raise ValueError(f"unknown loss_fn_config key {key!r} for loss_fn {loss_fn!r} (accepted keys: {allowed})")
+        if isinstance(value, bool):
+            raise ValueError(f"loss_fn_config[{key!r}] for loss_fn {loss_fn!r} must be a number, got {value!r}")
+        if not isinstance(value, (int, float)):
+            try:
+                value = float(value)  # numeric strings (the SDK types allow str values)
+            except (TypeError, ValueError):
+                raise ValueError(f"loss_fn_config[{key!r}] for loss_fn {loss_fn!r} must be a number, "
+                                 f"got {value!r}") from None
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"loss_fn_config[{key!r}] for loss_fn {loss_fn!r} must be finite, got {value}")
+        out[key] = value
+    if "clip_low_threshold" in out and out["clip_low_threshold"] > out["clip_high_threshold"]:
+        raise ValueError(f"loss_fn {loss_fn!r}: clip_low_threshold {out['clip_low_threshold']} > "
+                         f"clip_high_threshold {out['clip_high_threshold']}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+def _field(inputs: LossInputs, key: str, loss_fn: str) -> torch.Tensor:
+    if key not in inputs.batch or inputs.batch[key] is None:
+        raise ValueError(f"loss_fn {loss_fn!r} needs batch[{key!r}]")
+    v = inputs.batch[key]
+    v = torch.as_tensor(v).to(device=inputs.log_probs.device, dtype=inputs.log_probs.dtype)
+    if v.shape != inputs.log_probs.shape:
+        raise ValueError(f"loss_fn {loss_fn!r}: batch[{key!r}] has shape {tuple(v.shape)}, "
+                         f"expected {tuple(inputs.log_probs.shape)}")
+    return v
+
+
+def _finish(inputs: LossInputs, token_loss: torch.Tensor, mask: torch.Tensor) -> LossOutput:
+    """Raw-sum reduction, per-datum outputs and the loss:sum metric."""
+    lp = inputs.log_probs
+    loss = Aggregator.build("sum", mask)(token_loss, mask.to(token_loss.dtype))
+    if not bool((mask != 0).any()):
+        # No supervised token: keep the graph connected (every rank must run backward) with an
+        # exactly-zero gradient.
+        loss = loss + 0.0 * lp.sum()
+    with torch.no_grad():
+        tok = token_loss.detach() * mask.to(token_loss.dtype)
+        per_row = tok.sum(-1)
+        total = per_row.sum()
+        B, L = lp.shape
+        lengths = inputs.batch.get("datum_lengths")
+        indices = inputs.sample_indices if inputs.sample_indices is not None else inputs.batch.get("sample_indices")
+        per_datum = []
+        lp_cpu = lp.detach().to("cpu")
+        loss_cpu = per_row.to("cpu")
+        tok_cpu = tok.to("cpu")
+        for b in range(B):
+            n = L if lengths is None else int(lengths[b])
+            per_datum.append({
+                "sample_index": (int(indices[b]) if indices is not None else b),
+                "logprobs": lp_cpu[b, :n].clone(),
+                "loss": loss_cpu[b].clone(),
+                "elementwise_loss": tok_cpu[b, :n].clone(),
+            })
+    return LossOutput(loss=loss, metrics={"loss:sum": total.detach()}, per_datum=per_datum)
+
+
+def _mask(inputs: LossInputs) -> torch.Tensor:
+    m = torch.as_tensor(inputs.mask).to(device=inputs.log_probs.device, dtype=inputs.log_probs.dtype)
+    if m.shape != inputs.log_probs.shape:
+        raise ValueError(f"loss mask has shape {tuple(m.shape)}, expected {tuple(inputs.log_probs.shape)}")
+    return m
+
+
+def _log_ratio(inputs: LossInputs, mask: torch.Tensor, loss_fn: str) -> torch.Tensor:
+    """lp - q, zero wherever the mask is zero (so exp() is 1 there and no inf*0 appears)."""
+    q = _field(inputs, "sampling_logprobs", loss_fn)
+    on = mask != 0
+    return torch.where(on, inputs.log_probs - q, torch.zeros_like(q))
+
+
+@register_objective(NAMESPACE + "cross_entropy", config_defaults=CONFIG_DEFAULTS["cross_entropy"],
+                    required_inputs=("loss_weights",))
+def tinker_cross_entropy(inputs: LossInputs) -> LossOutput:
+    cfg = resolve_config("cross_entropy", inputs.config)  # noqa: F841 (validates: no keys allowed)
+    m = _mask(inputs)
+    w = _field(inputs, "loss_weights", "cross_entropy")
+    w = torch.where(m != 0, w, torch.zeros_like(w))
+    return _finish(inputs, -w * inputs.log_probs, m)
+
+
+@register_objective(NAMESPACE + "importance_sampling", config_defaults=CONFIG_DEFAULTS["importance_sampling"],
+                    required_inputs=("sampling_logprobs", "advantages"))
+def tinker_importance_sampling(inputs: LossInputs) -> LossOutput:
+    resolve_config("importance_sampling", inputs.config)
+    m = _mask(inputs)
+    ratio = torch.exp(_log_ratio(inputs, m, "importance_sampling"))
+    adv = _field(inputs, "advantages", "importance_sampling")
+    return _finish(inputs, -ratio * adv, m)
+
+
+@register_objective(NAMESPACE + "ppo", config_defaults=CONFIG_DEFAULTS["ppo"],
+                    required_inputs=("sampling_logprobs", "advantages"))
+def tinker_ppo(inputs: LossInputs) -> LossOutput:
+    cfg = resolve_config("ppo", inputs.config)
+    m = _mask(inputs)
+    ratio = torch.exp(_log_ratio(inputs, m, "ppo"))
+    adv = _field(inputs, "advantages", "ppo")
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"]) * adv
+    out = _finish(inputs, -torch.minimum(unclipped, clipped), m)
+    return out
+
+
+@register_objective(NAMESPACE + "cispo", config_defaults=CONFIG_DEFAULTS["cispo"],
+                    required_inputs=("sampling_logprobs", "advantages"))
+def tinker_cispo(inputs: LossInputs) -> LossOutput:
+    cfg = resolve_config("cispo", inputs.config)
+    m = _mask(inputs)
+    ratio = torch.exp(_log_ratio(inputs, m, "cispo")).detach()
+    coef = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    adv = _field(inputs, "advantages", "cispo")
+    return _finish(inputs, -coef * inputs.log_probs * adv, m)
+
+
+@register_objective(NAMESPACE + "dro", config_defaults=CONFIG_DEFAULTS["dro"],
+                    required_inputs=("sampling_logprobs", "advantages"))
+def tinker_dro(inputs: LossInputs) -> LossOutput:
+    cfg = resolve_config("dro", inputs.config)
+    m = _mask(inputs)
+    diff = _log_ratio(inputs, m, "dro")
+    adv = _field(inputs, "advantages", "dro")
+    return _finish(inputs, -(inputs.log_probs * adv - 0.5 * cfg["beta"] * diff * diff), m)
