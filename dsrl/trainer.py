@@ -59,7 +59,7 @@ class Trainer:
         log.info(self.decision.reason)
         summary = {}
         if cfg.trainer.eval_before:
-            summary["eval/accuracy_before"] = self.evaluate()
+            summary.update({f"{k}_before": v for k, v in self.evaluate().items()})
             log.info("greedy accuracy before training: %.3f", summary["eval/accuracy_before"])
         for step in range(1, cfg.trainer.total_steps + 1):
             metrics = self.step(step)
@@ -69,7 +69,7 @@ class Trainer:
             if cfg.logger.plot and is_main_rank() and step % max(cfg.logger.plot_every, 1) == 0:
                 plot_run(self.logger.history, os.path.join(self.run_dir, "plot.png"))
         if cfg.trainer.eval_after:
-            summary["eval/accuracy_after"] = self.evaluate()
+            summary.update({f"{k}_after": v for k, v in self.evaluate().items()})
             log.info("greedy accuracy after training: %.3f", summary["eval/accuracy_after"])
         rewards = [h.get("reward/mean", 0.0) for h in self.logger.history]
         if rewards:
@@ -242,17 +242,30 @@ class Trainer:
             raise RuntimeError(f"ranks diverged after the optimizer step (parameter #{bad} differs)")
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> float:
-        """Greedy accuracy on the held-out prompts (split across ranks)."""
+    def evaluate(self) -> dict:
+        """Greedy accuracy on the held-out prompts (split across ranks), overall and per
+        prompt split (e.g. held-out problems vs unseen phrasings)."""
         prompts = self.source.eval_set(self.cfg.data.num_eval)
+        splits = sorted({str(p.meta.get("split", "eval")) for p in prompts})
         mine = prompts[global_rank()::world_size()]
         ids = [self.prompt_ids(p) for p in mine]
         groups = self.worker.generate(ids, n=1, temperature=0.0, top_p=1.0,
                                       max_tokens=self.cfg.rollout.max_new_tokens,
                                       show_progress=self.cfg.logger.progress and is_main_rank())
-        correct = sum(float(self.verifier(g[0].text, p)) for g, p in zip(groups, mine))
-        c, n = all_reduce_sum([correct, len(mine)])
-        return c / max(n, 1)
+        counts = [0.0] * (2 * len(splits) + 2)
+        for g, p in zip(groups, mine):
+            ok = float(self.verifier(g[0].text, p))
+            j = splits.index(str(p.meta.get("split", "eval")))
+            counts[0] += ok
+            counts[1] += 1
+            counts[2 + 2 * j] += ok
+            counts[3 + 2 * j] += 1
+        totals = all_reduce_sum(counts)
+        out = {"eval/accuracy": totals[0] / max(totals[1], 1), "eval/num_prompts": totals[1]}
+        if len(splits) > 1:
+            for j, name in enumerate(splits):
+                out[f"eval/accuracy[{name}]"] = totals[2 + 2 * j] / max(totals[3 + 2 * j], 1)
+        return out
 
 
 def _load_callable(path: str):

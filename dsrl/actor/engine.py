@@ -83,6 +83,7 @@ class ActorEngine:
         self.temperature = float(temperature)
         self.trainable = trainable
         self.zero_stage = int(zero_stage)
+        self._open_accumulation = False  # a backward ran with is_last=False since the last step
         hf_config = AutoConfig.from_pretrained(model_path)
         # Dropout must be set on the config: a non-zero value makes the two forwards differ.
         for key in ("attention_dropout",):
@@ -203,7 +204,7 @@ class ActorEngine:
         boundary work DeepSpeed would have done in the last backward had it been marked
         is_last (ZeRO-0/1: all-reduce / reduce of the local sums; ZeRO-2/3: finalize the
         partitions already reduced per backward). Collective: every rank must call it."""
-        if not getattr(self, "_open_accumulation", False):
+        if not self._open_accumulation:
             return
         eng = self.engine
         eng.set_gradient_accumulation_boundary(True)

@@ -8,7 +8,10 @@ problem and fall on the same side). A fixed, seed-independent hash sends a fract
 `eval_fraction` of problems to the held-out side; the training stream never draws those. For
 small spaces (e.g. 1-digit: 55 problems, 100 ordered prompts) the split is exact over the
 enumerated space; for large ones it is by hash threshold. The held-out pool of a small space
-can be smaller than the requested eval size: `eval_set(n)` then returns the whole pool.
+can be smaller than the requested eval size (1-digit sums: 28 prompts): `eval_set(n)` then
+returns the whole pool followed by training problems asked with a phrasing the training stream
+never uses (`eval_template`, meta split "eval-rephrased"), so the n prompts are all unseen
+strings; the pool prompts come first and stay identical whatever n is.
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ class ArithSource:
     # Measured with SmolLM2-135M-Instruct greedy over all 100 one-digit pairs: 85% (vs 63% for
     # "What is {expr}? Answer with just the number.", whose answers drift into chatter).
     template = "Compute {expr}. Respond with the result only."
+    # Eval-only phrasing (75% greedy with the same model), used past the held-out problem pool.
+    eval_template = "What is {expr}? Reply with only the final number, nothing else."
 
     def __init__(self, digits: int = 1, num_operands: int = 2, eval_fraction: float = 0.3):
         if digits < 1:
@@ -92,8 +97,9 @@ class ArithSource:
     def make_prompt(self, operands, split: str) -> Prompt:
         ops = tuple(int(x) for x in operands)
         expr = " + ".join(str(x) for x in ops)
+        template = self.eval_template if split == "eval-rephrased" else self.template
         return Prompt(
-            messages=({"role": "user", "content": self.template.format(expr=expr)},),
+            messages=({"role": "user", "content": template.format(expr=expr)},),
             answer=str(sum(ops)),
             meta={"task": "arith", "id": "arith:" + "+".join(map(str, ops)),
                   "operands": list(ops), "digits": self.digits, "split": split},
@@ -118,7 +124,11 @@ class ArithSource:
 
     def eval_set(self, n: int) -> list[Prompt]:
         if self.enumerated:
-            return [self.make_prompt(t, "eval") for t in self._eval_tuples[:n]]
+            out = [self.make_prompt(t, "eval") for t in self._eval_tuples[:n]]
+            if len(out) < n:  # small space: unseen phrasings of training problems fill the rest
+                extra = sorted(self._train_tuples, key=lambda t: (_problem_hash(t), t))
+                out += [self.make_prompt(t, "eval-rephrased") for t in extra[: n - len(out)]]
+            return out
         # Large space: a fixed-seed scan keeps the held-out tuples, without repeats.
         rng = random.Random(int.from_bytes(_SALT, "big") % (2**32) + self.digits * 1000
                             + self.num_operands)

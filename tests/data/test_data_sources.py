@@ -37,7 +37,7 @@ def test_arith_prompt_shape():
 def test_arith_eval_disjoint_and_deterministic(digits, num_operands):
     src = make_source("arith", digits=digits, num_operands=num_operands)
     ev = src.eval_set(60)
-    assert len(ev) == min(60, src.eval_pool_size() or 60)
+    assert len(ev) == 60
     assert len(_ids(ev)) == len(ev)  # no repeats
     # Deterministic: same list from a fresh instance, independent of any training seed.
     assert [p.uid for p in make_source("arith", digits=digits,
@@ -45,9 +45,12 @@ def test_arith_eval_disjoint_and_deterministic(digits, num_operands):
     # The eval set is a prefix-stable list.
     assert [p.uid for p in src.eval_set(10)] == [p.uid for p in ev[:10]]
     # Disjoint from the training stream, also up to operand order (3+5 vs 5+3).
-    held = {tuple(sorted(p.meta["operands"])) for p in ev}
+    held = {tuple(sorted(p.meta["operands"])) for p in ev if p.meta["split"] == "eval"}
     train = src.sample_train(3000, random.Random(0))
     assert all(tuple(sorted(p.meta["operands"])) not in held for p in train)
+    # Past a small held-out pool, eval prompts are training problems in an unseen phrasing:
+    # no eval prompt string ever appears in the training stream.
+    assert not {p.text for p in ev} & {p.text for p in train}
     lo = 0 if digits == 1 else 10 ** (digits - 1)
     for p in train[:200] + ev:
         ops = p.meta["operands"]
@@ -59,12 +62,17 @@ def test_arith_one_digit_space_split():
     src = make_source("arith", digits=1)
     # 100 ordered pairs: every pair is on exactly one side.
     train_pairs = {p.uid for p in src.sample_train(5000, random.Random(1))}
-    eval_pairs = _ids(src.eval_set(1000))
+    eval_pairs = _ids([p for p in src.eval_set(1000) if p.meta["split"] == "eval"])
     assert len(train_pairs) + len(eval_pairs) == 100
     assert 20 <= len(eval_pairs) <= 40
     # A short eval set covers distinct problems first.
     first = [tuple(sorted(p.meta["operands"])) for p in src.eval_set(10)]
     assert len(set(first)) == 10
+    # 100 eval prompts: the 28 held-out-problem prompts first, then unseen phrasings.
+    ev = src.eval_set(100)
+    assert len(ev) == 100 and [p.meta["split"] for p in ev[:len(eval_pairs)]] == ["eval"] * len(eval_pairs)
+    assert all(p.meta["split"] == "eval-rephrased" for p in ev[len(eval_pairs):])
+    assert not {p.text for p in ev} & {p.text for p in src.sample_train(5000, random.Random(1))}
 
 
 def test_train_stream_seeded_and_resumable():

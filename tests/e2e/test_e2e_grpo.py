@@ -17,7 +17,7 @@ REQUIRED_KEYS = ["step", "reward/mean", "timing/rollout", "timing/old_logprobs",
                  "train/entropy", "train/grad_norm", "rollout/logprob_diff"]
 COMMON = ["+exp=grpo_reuse", "trainer.total_steps=2", "data.num_eval=8", "algo.rollout_batch_size=4",
           "algo.n_samples_per_prompt=4", "algo.global_batch_size=16", "rollout.max_new_tokens=8",
-          "actor.lr=1e-4", "algo.entropy_coef=0.01"]  # random model: reward 0, entropy gives a gradient
+          "actor.lr=1e-4", "algo.entropy_coef=0.01", "model.dtype=float32", "rollout.dtype=float32"]  # random model: reward 0, entropy gives a gradient
 
 
 def _free_port():
