@@ -183,3 +183,38 @@ def test_opd_scores_the_teacher_and_keeps_the_old_pass(tmp_path):
     # 0.577); OPD subtracts opd_kl_coef * (student - teacher) = 0.5 * (-0.7 + 0.9) = 0.1 per token.
     adv = torch.cat(seen["adv"])
     assert torch.allclose((adv + 0.1).abs(), torch.full_like(adv, 0.5 / (0.5773502691896258 + 1e-6)), atol=1e-5)
+
+
+def test_gsm8k_is_a_selectable_prompt_source(tmp_path):
+    """data.name=gsm8k: real GSM8K prompts flow through the loop and are scored by its verifier."""
+    from dsrl.data.registry import build_source
+    from dsrl.reward.registry import verifier_for_source
+
+    cfg = _cfg(reuse_logprobs="on")
+    cfg.data = dataclasses.replace(cfg.data, name="gsm8k")
+    validate(cfg)
+    source = build_source(cfg.data)
+    verifier = verifier_for_source(source)
+    last_answers = []
+
+    class Recording:  # the real source, remembering the answers of the prompts it handed out
+        def sample_train(self, n, rng):
+            out = source.sample_train(n, rng)
+            last_answers[:] = [p.answer for p in out]
+            return out
+
+    class EchoAnswerWorker(FakeWorker):  # odd samples of each group answer correctly
+        def generate(self, prompt_ids, **kw):
+            groups = super().generate(prompt_ids, **kw)
+            for g, answer in zip(groups, last_answers):
+                for j, c in enumerate(g):
+                    c.text = f"The answer is {answer}." if j % 2 else "no idea"
+            return groups
+
+    t = Trainer(cfg, actor=FakeEngine(), ref=None, worker=EchoAnswerWorker(),
+                tokenizer=types.SimpleNamespace(pad_token_id=0, eos_token_id=0), source=Recording(),
+                verifier=verifier, prompt_ids_fn=lambda p: [1, 2, 3], decision=decide_reuse(cfg),
+                run_dir=str(tmp_path))
+    m = t.step(1)
+    assert m["reward/mean"] == 0.5
+    assert all(p.meta["split"] == "train" for p in source.sample_train(4, 0))
