@@ -202,7 +202,8 @@ class Trainer:
                     hook(mb)
                 reduce = Aggregator.build(a.loss_agg_mode, mb["loss_mask"], global_tokens=g_tokens,
                                           global_seqs=g_seqs, norm_len=norm_len)
-                out = self.actor.forward_backward(mb, self.objective, self.algo, reduce,
+                objective, config = self._objective_for(mb)
+                out = self.actor.forward_backward(mb, objective, config, reduce,
                                                   reuse_training_logprobs=self.decision.reuse,
                                                   is_last=i == len(microbatches) - 1)
                 for n, v in out.metrics.items():
@@ -226,6 +227,18 @@ class Trainer:
         diff_sum, diff_tokens = out.pop("rollout/abs_diff_sum", 0.0), out.pop("rollout/tokens", 0.0)
         out["rollout/logprob_diff"] = diff_sum / max(diff_tokens, 1.0)
         return out
+
+    def _objective_for(self, mb: dict):
+        """A microbatch (work unit) may name its own objective and config (e.g. set by a hook);
+        otherwise the run's configured objective applies."""
+        name = mb.pop("loss_fn", None)
+        overrides = mb.pop("loss_fn_config", None) or {}
+        unknown = sorted(set(overrides) - set(self.algo))
+        if unknown:
+            raise ValueError(f"microbatch of samples {mb.get('sample_indices')}: unknown loss_fn_config "
+                             f"key(s) {unknown} (valid: algo.* names)")
+        objective = self.objective if name is None else get_objective(name)
+        return objective, ({**self.algo, **overrides} if overrides else self.algo)
 
     def _assert_ranks_in_sync(self) -> None:
         """Every rank must hold bit-identical full parameters after an optimizer step."""

@@ -218,3 +218,33 @@ def test_gsm8k_is_a_selectable_prompt_source(tmp_path):
     m = t.step(1)
     assert m["reward/mean"] == 0.5
     assert all(p.meta["split"] == "train" for p in source.sample_train(4, 0))
+
+
+def test_a_work_unit_may_name_its_own_objective(tmp_path, monkeypatch):
+    """A hook sets loss_fn/loss_fn_config on a microbatch: that objective and config apply to it."""
+    import sys
+
+    calls = []
+
+    def pick_cispo(mb):
+        mb["loss_fn"] = "cispo"
+        mb["loss_fn_config"] = {"eps_clip_high": 3.0}
+
+    mod = types.ModuleType("dsrl_test_hooks")
+    mod.pick_cispo = pick_cispo
+    monkeypatch.setitem(sys.modules, "dsrl_test_hooks", mod)
+    cfg = _cfg(reuse_logprobs="off")
+    cfg.trainer = dataclasses.replace(cfg.trainer, before_train_step_hooks=["dsrl_test_hooks.pick_cispo"])
+    t, actor, _ = _trainer(cfg, tmp_path, with_ref=False)
+    real = actor.forward_backward
+
+    def spy(mb, objective, config, reduce, **kw):
+        calls.append((objective.name, config["eps_clip_high"], "loss_fn" in mb))
+        return real(mb, objective, config, reduce, **kw)
+    actor.forward_backward = spy
+    t.step(1)
+    assert calls and all(c == ("cispo", 3.0, False) for c in calls)
+    bad = _cfg(reuse_logprobs="off")
+    t2, _, _ = _trainer(bad, tmp_path, with_ref=False)
+    with pytest.raises(ValueError, match="no_such_key"):
+        t2._objective_for({"loss_fn": "ppo", "loss_fn_config": {"no_such_key": 1}, "sample_indices": [0]})
