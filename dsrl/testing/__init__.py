@@ -39,3 +39,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Set in the test process once an in-process engine initialised torch.distributed; a child job
+# inheriting them would try to join (or re-bind) that process group's port.
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+             "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
+
+
+def subprocess_env(**extra: str) -> dict:
+    """os.environ for a child job: without the parent's process-group variables."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env.update(extra)
+    return env

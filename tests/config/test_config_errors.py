@@ -10,6 +10,7 @@ from hydra.errors import ConfigCompositionException
 from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import register_configs, to_config
 from dsrl.config.validate import validate
+from dsrl.testing import subprocess_env
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 register_configs()
@@ -70,7 +71,7 @@ def test_bad_value_is_rejected_by_name(override, key):
 
 def test_cli_fails_before_any_model_loads(tmp_path):
     """The real entry point exits non-zero, names the key, and never reaches model loading."""
-    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    env = subprocess_env(HYDRA_FULL_ERROR="0")
     for override, key in (("algo.bogus_key=1", "bogus_key"), ("algo.reuse_logprobs=maybe", "algo.reuse_logprobs"),
                           ("algo.kl_coef=0.1", "algo.kl_coef")):
         r = subprocess.run([sys.executable, "-m", "dsrl.main", "+exp=grpo_reuse", override,

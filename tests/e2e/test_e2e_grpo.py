@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from dsrl.testing import subprocess_env
+
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 REQUIRED_KEYS = ["step", "reward/mean", "timing/rollout", "timing/old_logprobs", "timing/ref_logprobs",
@@ -27,7 +29,7 @@ def _free_port():
 
 
 def _run(cmd, cwd, timeout):
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    env = subprocess_env(RAY_AUTH_MODE="disabled", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
     r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
