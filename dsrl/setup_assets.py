@@ -14,6 +14,7 @@ Every step is idempotent: a second run finds the folders and does nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -167,10 +168,8 @@ def prepare_smollm2(cache_dir: Optional[PathLike] = None, *, verify: bool = True
             model.config.quantization_config = None
     for attr in ("is_quantized", "_is_quantized"):
         if getattr(model, attr, False) is True:
-            try:
+            with contextlib.suppress(Exception):  # read-only property on some versions
                 setattr(model, attr, False)
-            except Exception:  # read-only property on some versions
-                pass
     bad = [n for n, t in model.state_dict().items() if t.dtype != torch.float32]
     if bad:
         raise RuntimeError(f"non-fp32 tensors after GGUF de-quantization: {bad[:5]}")

@@ -7,6 +7,7 @@ them in place (`reload_weights`; plain `load_weights` fails on CPU because weigh
 One file per push, not one RPC per parameter."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -124,8 +125,6 @@ class VLLMWorker:
             engine = getattr(llm, "llm_engine", None)
             shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
             if shutdown is not None:
-                try:
+                with contextlib.suppress(Exception):  # engine already gone
                     shutdown()
-                except Exception:  # engine already gone
-                    pass
             del llm
