@@ -116,3 +116,16 @@ def test_two_ranks_zero2_zero3_equal_single_process_gradient(tiny_path, tmp_path
         assert res["n_out"] == 3  # rank 0's own datums only
         assert res["loss"] == pytest.approx(ref_total, rel=1e-5, abs=1e-4)  # loss:sum all-reduced
         _check(res["grads"], ref)
+        # optim_step across ranks: identical parameters on both ranks, and the first AdamW step
+        # moves every parameter with a clear gradient by lr against its sign.
+        r0, r1 = (torch.load(os.path.join(str(tmp_path), f"params_zero{stage}_rank{r}.pt")) for r in (0, 1))
+        moved = 0
+        for name, after in r0["after"].items():
+            assert torch.equal(after, r1["after"][name]), (stage, name)
+            g = ref[name].reshape(after.shape)
+            delta = after - r0["before"][name]
+            clear = g.abs() > 1e-4
+            assert torch.all(delta.abs() <= 1e-3 * (1 + 1e-3))
+            assert torch.all(torch.sign(delta[clear]) == -torch.sign(g[clear])), (stage, name)
+            moved += int(clear.sum())
+        assert moved > 1000

@@ -162,7 +162,7 @@ def two_rank_worker(rank, world, port, model_path, out_dir, stages, split):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     from dsrl.actor.engine import ActorEngine
-    from dsrl.actor.work_units import TrainingSession
+    from dsrl.actor.work_units import AdamParams, TrainingSession
 
     data = random_datums(5, "ppo", seed=21)
     mine = data[:split] if rank == 0 else data[split:]
@@ -174,5 +174,10 @@ def two_rank_worker(rank, world, port, model_path, out_dir, stages, split):
         if rank == 0:
             torch.save({"grads": g, "loss": res.metrics["loss:sum"], "n_out": len(res.loss_fn_outputs)},
                        os.path.join(out_dir, f"zero{stage}.pt"))
+        # optim_step on both ranks: every rank must end with the same full parameters.
+        before = full_params(actor)
+        sess.optim_step(AdamParams(learning_rate=1e-3))
+        after = full_params(actor)
+        torch.save({"before": before, "after": after}, os.path.join(out_dir, f"params_zero{stage}_rank{rank}.pt"))
         torch.distributed.barrier()
         del sess, actor
