@@ -114,7 +114,10 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as e:
         print(f"dsrl: {e}", file=sys.stderr)
         sys.exit(2)
-    log.info("summary: %s", summary)
+    from dsrl.distributed.ranks import is_main_rank
+
+    if is_main_rank():
+        log.info("summary: %s", summary)
 
 
 def _strip_launcher_args() -> None:

@@ -56,21 +56,21 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
         cfg = self.cfg
-        log.info(self.decision.reason)
+        say = log.info if is_main_rank() else log.debug  # one copy of each line, from rank 0
+        say(self.decision.reason)
         summary = {}
         if cfg.trainer.eval_before:
             summary.update({f"{k}_before": v for k, v in self.evaluate().items()})
-            log.info("greedy accuracy before training: %.3f", summary["eval/accuracy_before"])
+            say("greedy accuracy before training: %.3f", summary["eval/accuracy_before"])
         for step in range(1, cfg.trainer.total_steps + 1):
             metrics = self.step(step)
             self.logger.log(step, metrics)
-            if is_main_rank():
-                log.info(self.logger.summary_line(step, metrics))
+            say(self.logger.summary_line(step, metrics))
             if cfg.logger.plot and is_main_rank() and step % max(cfg.logger.plot_every, 1) == 0:
                 plot_run(self.logger.history, os.path.join(self.run_dir, "plot.png"))
         if cfg.trainer.eval_after:
             summary.update({f"{k}_after": v for k, v in self.evaluate().items()})
-            log.info("greedy accuracy after training: %.3f", summary["eval/accuracy_after"])
+            say("greedy accuracy after training: %.3f", summary["eval/accuracy_after"])
         rewards = [h.get("reward/mean", 0.0) for h in self.logger.history]
         if rewards:
             k = min(5, len(rewards))
