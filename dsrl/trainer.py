@@ -18,6 +18,7 @@ from dsrl.distributed.ranks import global_rank, is_main_rank, world_size
 from dsrl.loss.advantages import compute_advantages
 from dsrl.loss.registry import get_objective
 from dsrl.loss.types import Aggregator
+from dsrl.registry import load_callable
 from dsrl.rollout.samples import generate_samples, pack_microbatches
 from dsrl.tracking import MetricsLogger, PhaseTimer, microbatch_bar, plot_run
 
@@ -49,7 +50,8 @@ class Trainer:
             raise ValueError(f"algo.rollout_batch_size={a.rollout_batch_size} must be divisible by the "
                              f"number of ranks ({world_size()})")
         self.prompts_per_rank = a.rollout_batch_size // world_size()
-        self.hooks = [_load_callable(path) for path in cfg.trainer.before_train_step_hooks]
+        self.hooks = [load_callable(path, "trainer.before_train_step_hooks")
+                      for path in cfg.trainer.before_train_step_hooks]
         self.steps_per_rollout = (a.num_steps_per_rollout or
                                   a.rollout_batch_size * a.n_samples_per_prompt // a.global_batch_size)
 
@@ -279,16 +281,6 @@ class Trainer:
             for j, name in enumerate(splits):
                 out[f"eval/accuracy[{name}]"] = totals[2 + 2 * j] / max(totals[3 + 2 * j], 1)
         return out
-
-
-def _load_callable(path: str):
-    import importlib
-
-    mod, _, name = path.replace(":", ".").rpartition(".")
-    try:
-        return getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"trainer.before_train_step_hooks: cannot load {path!r}: {e}") from e
 
 
 def all_reduce_max(value: float) -> float:

@@ -13,6 +13,7 @@ from dataclasses import asdict, is_dataclass
 from typing import Any, Callable, Mapping, Optional, Protocol, Union
 
 from dsrl.data.types import Prompt
+from dsrl.registry import Registry
 
 RngLike = Union[random.Random, int, None, Any]
 
@@ -26,16 +27,13 @@ class PromptSource(Protocol):
     def eval_set(self, n: int) -> list[Prompt]: ...
 
 
-SOURCES: dict[str, type] = {}
+SOURCES = Registry("prompt source")
 
 
 def register_source(name: str) -> Callable[[type], type]:
     def deco(cls: type) -> type:
-        if name in SOURCES:
-            raise ValueError(f"prompt source {name!r} registered twice")
         cls.name = name
-        SOURCES[name] = cls
-        return cls
+        return SOURCES.add(name, cls)
     return deco
 
 

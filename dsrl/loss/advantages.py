@@ -187,9 +187,7 @@ def compute_advantages(rollout_data: MutableMapping[str, Any], config: Any) -> M
         kl = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
 
     name = opt(config, "advantage_estimator")
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise KeyError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
-    adv, ret = ADVANTAGE_ESTIMATORS[name](rewards, mask, rollout_data.get("group_ids"), config, kl)
+    adv, ret = ADVANTAGE_ESTIMATORS.get_or_raise(name)(rewards, mask, rollout_data.get("group_ids"), config, kl)
 
     if opt(config, "use_opd"):
         if src is None:

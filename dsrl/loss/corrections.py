@@ -18,41 +18,19 @@ and raise a ValueError naming the missing one.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from dsrl.loss.kl import approx_kl
 from dsrl.loss.options import opt
+from dsrl.registry import Registry, load_callable
 
 Correction = Callable[..., tuple]
-CORRECTIONS: dict[str, Correction] = {}
+CORRECTIONS = Registry("correction")
+register_correction = CORRECTIONS.register
 
 _LOG_CLAMP = 20.0
-
-
-def register_correction(name: str) -> Callable[[Correction], Correction]:
-    def deco(fn: Correction) -> Correction:
-        if name in CORRECTIONS:
-            raise ValueError(f"correction {name!r} registered twice")
-        CORRECTIONS[name] = fn
-        return fn
-    return deco
-
-
-def load_function(path: str) -> Callable:
-    """Import `pkg.mod:fn` or `pkg.mod.fn`."""
-    if ":" in path:
-        mod_name, attr = path.split(":", 1)
-    else:
-        mod_name, _, attr = path.rpartition(".")
-    if not mod_name or not attr:
-        raise ValueError(f"tis_function {path!r} is not a dotted path 'pkg.module.fn'")
-    fn = getattr(importlib.import_module(mod_name), attr, None)
-    if not callable(fn):
-        raise ValueError(f"tis_function {path!r} does not name a callable")
-    return fn
 
 
 def get_tis_function(config: Optional[Mapping[str, Any]]) -> tuple[Correction, bool]:
@@ -64,7 +42,7 @@ def get_tis_function(config: Optional[Mapping[str, Any]]) -> tuple[Correction, b
         return spec, False
     if spec in CORRECTIONS:
         return CORRECTIONS[spec], True
-    return load_function(str(spec)), False
+    return load_callable(str(spec), "algo.tis_function"), False
 
 
 def _require(train_log_probs, rollout_log_probs, who: str) -> None:

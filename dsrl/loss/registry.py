@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 from dsrl.loss.types import LossInputs, LossOutput
+from dsrl.registry import Registry
 
 Objective = Callable[[LossInputs], LossOutput]
 
@@ -20,41 +21,27 @@ class ObjectiveSpec:
     required_inputs: tuple = ()
 
 
-OBJECTIVES: dict[str, ObjectiveSpec] = {}
-ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
+OBJECTIVES = Registry("objective")
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+register_advantage = ADVANTAGE_ESTIMATORS.register
 
 
 def register_objective(name: str, *, config_defaults: Optional[Mapping[str, object]] = None,
                        required_inputs: tuple = ()) -> Callable[[Objective], Objective]:
     def deco(fn: Objective) -> Objective:
-        if name in OBJECTIVES:
-            raise ValueError(f"objective {name!r} registered twice")
-        OBJECTIVES[name] = ObjectiveSpec(name, fn, config_defaults, tuple(required_inputs))
-        return fn
-    return deco
-
-
-def register_advantage(name: str) -> Callable:
-    def deco(fn: Callable) -> Callable:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} registered twice")
-        ADVANTAGE_ESTIMATORS[name] = fn
+        OBJECTIVES.add(name, ObjectiveSpec(name, fn, config_defaults, tuple(required_inputs)))
         return fn
     return deco
 
 
 def get_objective(name: str) -> ObjectiveSpec:
     _load_builtins()
-    if name not in OBJECTIVES:
-        raise KeyError(f"unknown objective {name!r}; registered: {sorted(OBJECTIVES)}")
-    return OBJECTIVES[name]
+    return OBJECTIVES.get_or_raise(name)
 
 
 def get_advantage_estimator(name: str) -> Callable:
     _load_builtins()
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise KeyError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
-    return ADVANTAGE_ESTIMATORS[name]
+    return ADVANTAGE_ESTIMATORS.get_or_raise(name)
 
 
 def _load_builtins() -> None:

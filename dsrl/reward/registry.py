@@ -7,18 +7,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
+from dsrl.registry import Registry
+
 Verifier = Callable[[str, Any], float]
 
-VERIFIERS: dict[str, Verifier] = {}
-
-
-def register_verifier(name: str) -> Callable[[Verifier], Verifier]:
-    def deco(fn: Verifier) -> Verifier:
-        if name in VERIFIERS:
-            raise ValueError(f"verifier {name!r} registered twice")
-        VERIFIERS[name] = fn
-        return fn
-    return deco
+VERIFIERS = Registry("verifier")
+register_verifier = VERIFIERS.register
 
 
 def _load_builtins() -> None:
@@ -32,9 +26,7 @@ def verifier_names() -> list[str]:
 
 def get_verifier(name: str) -> Verifier:
     _load_builtins()
-    if name not in VERIFIERS:
-        raise KeyError(f"unknown verifier {name!r}; registered: {sorted(VERIFIERS)}")
-    return VERIFIERS[name]
+    return VERIFIERS.get_or_raise(name)
 
 
 def verifier_for_source(source: Any, override: Optional[str] = None) -> Verifier:
