@@ -41,6 +41,20 @@ def _metrics(run_dir):
     return [json.loads(line) for line in lines]
 
 
+def test_kl_loss_with_a_zero3_reference_engine(tmp_path, tiny_model_path):
+    """Reuse with a KL loss: the reference engine (frozen, ZeRO-3) still scores every step and
+    the KL loss starts at 0 (same weights) and becomes positive once the actor moved."""
+    run_dir = tmp_path / "run_kl"
+    _run([sys.executable, "-m", "dsrl.main", *COMMON, f"model.path={tiny_model_path}", "algo.use_kl_loss=true",
+          "algo.kl_loss_coef=0.1", "actor.zero_stage=3", "actor.stage3_param_persistence_threshold=0",
+          "trainer.eval_before=false", "trainer.eval_after=false", f"hydra.run.dir={run_dir}"],
+         cwd=Path(__file__).parents[2], timeout=600)
+    rows = _metrics(run_dir)
+    assert all(r["timing/ref_logprobs"] > 0 and r["timing/old_logprobs"] == 0.0 for r in rows)
+    assert rows[0]["train/kl_loss"] == 0.0 and rows[1]["train/kl_loss"] > 0.0
+    assert all(r["train/ppo_kl"] == 0.0 for r in rows)
+
+
 def test_single_process_run_writes_everything(tmp_path, tiny_model_path):
     run_dir = tmp_path / "run"
     out = _run([sys.executable, "-m", "dsrl.main", *COMMON, f"model.path={tiny_model_path}",
