@@ -4,15 +4,18 @@ components are built in dsrl.main and handed in."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
-from typing import List, Optional
+import random
+import time
+from typing import List
 
 import torch
 import torch.distributed as dist
 
-from dsrl.actor.batch import Sample
-from dsrl.config.reuse import ReuseDecision
+from dsrl.actor.batch import Sample, collate, masked_rows
+from dsrl.config.reuse import ReuseDecision, steps_per_rollout
 from dsrl.config.schema import Config
 from dsrl.distributed.ranks import global_rank, is_main_rank, world_size
 from dsrl.loss.advantages import compute_advantages
@@ -44,7 +47,7 @@ class Trainer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.logger = MetricsLogger(run_dir, tensorboard=cfg.logger.tensorboard)
         self.timer = PhaseTimer(phases=PHASES)
-        self.rng = __import__("random").Random(cfg.data.seed * 1000 + global_rank())
+        self.rng = random.Random(cfg.data.seed * 1000 + global_rank())
         a = cfg.algo
         if a.rollout_batch_size % world_size():
             raise ValueError(f"algo.rollout_batch_size={a.rollout_batch_size} must be divisible by the "
@@ -52,8 +55,7 @@ class Trainer:
         self.prompts_per_rank = a.rollout_batch_size // world_size()
         self.hooks = [load_callable(path, "trainer.before_train_step_hooks")
                       for path in cfg.trainer.before_train_step_hooks]
-        self.steps_per_rollout = (a.num_steps_per_rollout or
-                                  a.rollout_batch_size * a.n_samples_per_prompt // a.global_batch_size)
+        self.steps_per_rollout = steps_per_rollout(cfg)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -82,7 +84,6 @@ class Trainer:
             if cfg.logger.plot:
                 plot_run(self.logger.history, os.path.join(self.run_dir, "plot.png"))
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-                import json
                 json.dump(summary, f, indent=2)
         if cfg.trainer.save_final:
             self.actor.save_hf(os.path.join(self.run_dir, "final_model"), tokenizer=self.tokenizer)
@@ -91,7 +92,6 @@ class Trainer:
 
     def step(self, step: int) -> dict:
         cfg, a = self.cfg, self.cfg.algo
-        import time
         t_step = time.perf_counter()
 
         # 1-2. rollout + reward (this rank's share of the prompts)
@@ -173,8 +173,7 @@ class Trainer:
             scored = engine.score(mbs, progress=bar)
         out = []
         for mb, lp in zip(mbs, scored):
-            mask = mb["loss_mask"].bool()
-            out.extend(lp[b][mask[b]] for b in range(lp.shape[0]))
+            out.extend(masked_rows(lp, mb["loss_mask"]))
         return out
 
     def _optimizer_step(self, samples: List[Sample], token_fields: dict, *, all_samples: List[Sample],
@@ -187,9 +186,8 @@ class Trainer:
             assert "old_log_probs" not in token_fields, "reuse_logprobs requires rollout data without actor log-probs"
         # Global normalizers over every sample of this optimizer step on every rank.
         lens = [len(s.response_ids) for s in all_samples]
-        g_tokens, g_seqs, g_trained_tokens = all_reduce_sum(
-            [sum(lens), len(lens), sum(len(s.response_ids) for s in samples)])
-        g_mb = all_reduce_sum([float(max(1, -(-len(samples) // mbs)))])[0]
+        g_tokens, g_seqs, g_trained_tokens, g_mb = all_reduce_sum(
+            [sum(lens), len(lens), sum(len(s.response_ids) for s in samples), max(1, -(-len(samples) // mbs))])
         norm_len = float(self.cfg.rollout.max_new_tokens)
         microbatches = pack_microbatches(samples, mbs, self.pad_id, token_fields) if samples else []
         # Every rank must run the same number of backward calls (ZeRO collectives); pad with an
@@ -291,8 +289,6 @@ def all_reduce_max(value: float) -> float:
 
 
 def _empty_microbatch(template: Sample, pad_id: int, token_fields: dict) -> dict:
-    from dsrl.actor.batch import collate
-
     s = dataclasses.replace(template, response_ids=[pad_id], rollout_log_probs=[0.0], index=-1)
     mb = collate([s], pad_id, {k: [torch.zeros(1)] for k in token_fields})
     mb["loss_mask"].zero_()

@@ -10,11 +10,6 @@ from typing import Optional, Sequence
 
 import torch
 
-# Per-token fixed scores that may travel with a batch (all [B, T-1], zero outside the mask).
-TOKEN_FIELDS = ("rollout_log_probs", "old_log_probs", "ref_log_probs", "teacher_log_probs",
-                "advantages", "returns", "opd_reverse_kl")
-
-
 @dataclass
 class Sample:
     prompt_ids: list  # token ids of the (templated) prompt
@@ -67,26 +62,7 @@ def collate(samples: Sequence[Sample], pad_id: int, token_fields: Optional[dict]
     return batch
 
 
-def response_slices(batch: dict, field_name: str) -> list:
-    """Inverse of collate for one per-token field: list of 1-D tensors over each row's mask."""
-    mask = batch["loss_mask"].bool()
-    return [batch[field_name][b][mask[b]] for b in range(mask.shape[0])]
-
-
-def split_rows(batch: dict, rows: Sequence[int]) -> dict:
-    """Select rows of a packed batch (tensors and lists), trimming trailing all-pad columns."""
-    idx = torch.as_tensor(list(rows), dtype=torch.long)
-    T = int(batch["attention_mask"][idx].sum(-1).max().item()) if len(rows) else 1
-    T = max(T, 2)
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch["input_ids"].shape[0]:
-            v = v[idx]
-            if v.dim() == 2:
-                v = v[:, : (T if v.shape[1] == batch["input_ids"].shape[1] else T - 1)]
-            out[k] = v
-        elif isinstance(v, list) and len(v) == batch["input_ids"].shape[0]:
-            out[k] = [v[i] for i in rows]
-        else:
-            out[k] = v
-    return out
+def masked_rows(values: torch.Tensor, mask: torch.Tensor) -> list:
+    """Inverse of collate for one per-token field: each row's values under its loss mask."""
+    keep = mask.bool()
+    return [values[b][keep[b]] for b in range(values.shape[0])]

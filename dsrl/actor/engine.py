@@ -173,10 +173,10 @@ class ActorEngine:
                          forward_only: bool = False, loss_scale: Optional[float] = None) -> LossOutput:
         """One microbatch: forward, objective, backward. `loss_scale` defaults to the DP world
         size (undoes DeepSpeed's gradient averaging; see module docstring)."""
-        need_entropy = True  # entropy metric always reported from the training forward
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_ctx:
-            lp, ent = self.target_logprobs(mb, with_entropy=need_entropy)
+            # Entropy always comes from the training forward (a metric even when not weighted).
+            lp, ent = self.target_logprobs(mb, with_entropy=True)
             if ent is not None and float(config.get("entropy_coef", 0.0) or 0.0) == 0.0:
                 ent = ent.detach()
             fixed = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "targets")}

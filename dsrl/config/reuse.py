@@ -17,7 +17,8 @@ class ConfigError(ValueError):
     """A bad config value; the message names the key(s)."""
 
 
-def _steps_per_rollout(cfg: Config) -> int:
+def steps_per_rollout(cfg: Config) -> int:
+    """Optimizer steps one rollout makes (num_steps_per_rollout, else samples / global batch)."""
     a = cfg.algo
     samples = a.rollout_batch_size * a.n_samples_per_prompt
     if a.num_steps_per_rollout is not None:

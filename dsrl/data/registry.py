@@ -7,6 +7,7 @@ and names its default verifier (`default_verifier`, a key of dsrl.reward's regis
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import random
 from dataclasses import asdict, is_dataclass
@@ -69,12 +70,10 @@ def _as_mapping(cfg: Any) -> dict:
         return dict(cfg)
     if is_dataclass(cfg):
         return asdict(cfg)
-    try:  # omegaconf DictConfig without importing omegaconf eagerly
+    with contextlib.suppress(ImportError):  # omegaconf DictConfig, imported only when needed
         from omegaconf import DictConfig, OmegaConf
         if isinstance(cfg, DictConfig):
             return dict(OmegaConf.to_container(cfg, resolve=True))
-    except ImportError:
-        pass
     return {k: getattr(cfg, k) for k in dir(cfg) if not k.startswith("_")}
 
 

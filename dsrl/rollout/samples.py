@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from typing import Callable, List, Sequence
 
-import torch
-
 from dsrl.actor.batch import Sample, collate
 
 
@@ -36,15 +34,3 @@ def pack_microbatches(samples: Sequence[Sample], micro_batch_size: int, pad_id: 
         fields = {k: v[i: i + micro_batch_size] for k, v in (token_fields or {}).items()}
         out.append(collate(chunk, pad_id, fields))
     return out
-
-
-def zero_variance_groups(samples: Sequence[Sample]) -> set:
-    """Groups whose rewards are all equal: their group-normalized advantage is exactly zero."""
-    by_group: dict = {}
-    for s in samples:
-        by_group.setdefault(s.group, []).append(s.reward)
-    return {g for g, r in by_group.items() if len(r) > 1 and max(r) == min(r)}
-
-
-def response_lengths(samples: Sequence[Sample]) -> torch.Tensor:
-    return torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
