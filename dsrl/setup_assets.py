@@ -18,12 +18,12 @@ import contextlib
 import logging
 import os
 import shutil
-import socket
 import time
 import uuid
 from pathlib import Path
 from typing import Optional, Union
 
+from dsrl.distributed.ports import free_port
 from dsrl.packaged import package_dirs
 
 log = logging.getLogger("dsrl.setup_assets")
@@ -208,12 +208,6 @@ def verify_smollm2(path: PathLike, question: str = "What is 2+3?") -> str:
 # --------------------------------------------------------------------------------------------
 # DeepSpeed JIT warm-up
 # --------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def warm_deepspeed_ops(cache_dir: Optional[PathLike] = None) -> Path:
     """Build DeepSpeed's shm comm op once into `<cache>/torch_extensions` (CPU machines)."""
     ext = torch_extensions_dir(cache_dir)
@@ -234,7 +228,7 @@ def warm_deepspeed_ops(cache_dir: Optional[PathLike] = None) -> Path:
 
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
                                             "LOCAL_RANK", "LOCAL_SIZE")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1")
     t0 = time.time()
     try:

@@ -9,17 +9,19 @@ import logging
 import os
 import random
 import time
-from typing import List
+from typing import List, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from dsrl.actor.batch import Sample, collate, masked_rows
-from dsrl.config.reuse import ReuseDecision, steps_per_rollout
+from dsrl.actor.batch import Sample, empty_microbatch, masked_rows
+from dsrl.config.reuse import ReuseDecision, check_reuse_invariants, steps_per_rollout
 from dsrl.config.schema import Config
 from dsrl.distributed.ranks import global_rank, is_main_rank, world_size
 from dsrl.loss.advantages import compute_advantages
+from dsrl.loss.options import objective_config
 from dsrl.loss.registry import get_objective
+from dsrl.loss.skip import zero_advantage_skip
 from dsrl.loss.types import Aggregator
 from dsrl.registry import load_callable
 from dsrl.rollout.samples import generate_samples, pack_microbatches
@@ -27,6 +29,19 @@ from dsrl.tracking import MetricsLogger, PhaseTimer, microbatch_bar, plot_run
 
 log = logging.getLogger("dsrl")
 PHASES = ("rollout", "old_logprobs", "ref_logprobs", "teacher_logprobs", "train", "weight_sync")
+# Per-token fixed inputs carried from the scoring passes / advantages into the microbatches.
+TOKEN_FIELDS = ("old_log_probs", "ref_log_probs", "advantages", "opd_reverse_kl")
+# Objective metrics that are global sums (not means over trained samples).
+LOSS_METRICS = ("loss", "pg_loss", "loss:sum")
+
+
+class StepCounts(NamedTuple):
+    """Global counts of one optimizer step (all ranks): the normalizers and what was trained."""
+    tokens: float
+    seqs: float
+    trained_tokens: float
+    trained_seqs: float
+    microbatches: float
 
 
 def all_reduce_sum(values: List[float]) -> List[float]:
@@ -44,15 +59,14 @@ class Trainer:
         self.decision, self.run_dir = decision, run_dir
         self.algo = dataclasses.asdict(cfg.algo)
         self.objective = get_objective(cfg.algo.policy_loss)
+        self.objective_config = objective_config(self.objective, self.algo, cfg.algo.loss_fn_config)
+        self.skip_zero_advantage, self.skip_reason = zero_advantage_skip(cfg)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.logger = MetricsLogger(run_dir, tensorboard=cfg.logger.tensorboard)
         self.timer = PhaseTimer(phases=PHASES)
         self.rng = random.Random(cfg.data.seed * 1000 + global_rank())
-        a = cfg.algo
-        if a.rollout_batch_size % world_size():
-            raise ValueError(f"algo.rollout_batch_size={a.rollout_batch_size} must be divisible by the "
-                             f"number of ranks ({world_size()})")
-        self.prompts_per_rank = a.rollout_batch_size // world_size()
+        # Divisibility by the world size is checked by dsrl.config.validate before anything loads.
+        self.prompts_per_rank = cfg.algo.rollout_batch_size // world_size()
         self.hooks = [load_callable(path, "trainer.before_train_step_hooks")
                       for path in cfg.trainer.before_train_step_hooks]
         self.steps_per_rollout = steps_per_rollout(cfg)
@@ -62,6 +76,7 @@ class Trainer:
         cfg = self.cfg
         say = log.info if is_main_rank() else log.debug  # one copy of each line, from rank 0
         say(self.decision.reason)
+        say(self.skip_reason)
         summary = {}
         if cfg.trainer.eval_before:
             summary.update({f"{k}_before": v for k, v in self.evaluate().items()})
@@ -123,16 +138,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def train_on(self, samples: List[Sample]) -> dict:
-        cfg, a = self.cfg, self.cfg.algo
-        mbs = cfg.actor.micro_batch_size
+        """Scoring passes that are needed -> advantages -> optimizer step(s) on `samples`."""
         data = {"rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
                 "loss_mask": [torch.ones(len(s.response_ids)) for s in samples],
                 "group_ids": torch.tensor([s.group for s in samples]),
                 "rollout_log_probs": [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]}
-        token_fields = {}
+        # Reuse is only exact for one optimizer step on rollout data without actor log-probs:
+        # checked before any old, reference or teacher pass runs.
+        check_reuse_invariants(self.decision, steps_per_rollout=self.steps_per_rollout, batch_keys=data.keys())
 
-        # Scoring passes that are actually needed (the old-policy pass is skipped under reuse).
-        # (A skipped pass reports exactly 0.0 s.)
+        # Scoring passes that are actually needed (the old-policy pass is skipped under reuse;
+        # a skipped pass reports exactly 0.0 s).
         if self.decision.run_old_pass:
             with self.timer.phase("old_logprobs"):
                 data["old_log_probs"] = self._score(self.actor, samples, "actor forward")
@@ -144,17 +160,10 @@ class Trainer:
                 data["teacher_log_probs"] = self._score(self.teacher, samples, "teacher forward")
 
         compute_advantages(data, self.algo)  # detach boundary first, then the estimator
-        for key in ("old_log_probs", "ref_log_probs", "advantages"):
-            if key in data:
-                token_fields[key] = list(data[key])
+        token_fields = {k: list(data[k]) for k in TOKEN_FIELDS if k in data}
+        keep = self._trained_samples(data["advantages"])
 
-        # Samples with all-zero advantages carry no policy gradient: skip them in the forward
-        # (they stay in the aggregation denominators, so the gradient is unchanged).
-        keep = list(range(len(samples)))
-        if a.skip_zero_variance_groups and a.entropy_coef == 0 and not a.use_kl_loss:
-            keep = [i for i in keep if bool(data["advantages"][i].abs().sum() > 0)]
-
-        metrics = {}
+        metrics: dict = {}
         with self.timer.phase("train"):
             per_step = len(samples) // self.steps_per_rollout
             for k in range(self.steps_per_rollout):
@@ -162,10 +171,19 @@ class Trainer:
                 idx = [i for i in keep if lo <= i < hi]
                 m = self._optimizer_step([samples[i] for i in idx],
                                          {n: [v[i] for i in idx] for n, v in token_fields.items()},
-                                         all_samples=samples[lo:hi], mbs=mbs)
+                                         all_samples=samples[lo:hi])
                 for n, v in m.items():
                     metrics[n] = metrics.get(n, 0.0) + v / self.steps_per_rollout
         return metrics
+
+    def _trained_samples(self, advantages: list) -> List[int]:
+        """Indices of the samples that go through the training forward: all of them, unless
+        skipping all-zero-advantage samples is exact for this objective (see dsrl.loss.skip);
+        skipped samples stay in the aggregation denominators."""
+        keep = list(range(len(advantages)))
+        if self.skip_zero_advantage:
+            keep = [i for i in keep if bool(advantages[i].abs().sum() > 0)]
+        return keep
 
     def _score(self, engine, samples: List[Sample], desc: str) -> list:
         mbs = pack_microbatches(samples, self.cfg.actor.forward_micro_batch_size, self.pad_id)
@@ -176,69 +194,97 @@ class Trainer:
             out.extend(masked_rows(lp, mb["loss_mask"]))
         return out
 
-    def _optimizer_step(self, samples: List[Sample], token_fields: dict, *, all_samples: List[Sample],
-                        mbs: int) -> dict:
+    def _optimizer_step(self, samples: List[Sample], token_fields: dict, *, all_samples: List[Sample]) -> dict:
+        """One optimizer step: every microbatch of `samples` forward/backward, then the step.
+        `all_samples` (skipped ones included) define the global normalizers."""
+        counts = self._step_counts(samples, all_samples)
+        microbatches = self._microbatches(samples, token_fields)
+        sums = self._forward_backward(microbatches, counts)
+        grad_norm = self.actor.optimizer_step()
+        if self.cfg.trainer.check_rank_sync:
+            self._assert_ranks_in_sync()
+        return self._step_metrics(sums, counts, grad_norm)
+
+    def _step_counts(self, samples: List[Sample], all_samples: List[Sample]) -> StepCounts:
+        """Global (all ranks) token/sequence counts of the step, trained and in all."""
+        mbs = self.cfg.actor.micro_batch_size
+        tokens, seqs, trained_tokens, trained_seqs, n_mb = all_reduce_sum(
+            [sum(len(s.response_ids) for s in all_samples), len(all_samples),
+             sum(len(s.response_ids) for s in samples), len(samples), -(-len(samples) // mbs)])
+        return StepCounts(tokens, seqs, trained_tokens, trained_seqs, n_mb)
+
+    def _microbatches(self, samples: List[Sample], token_fields: dict) -> List[dict]:
+        """This rank's microbatches, padded with empty (all-zero-mask) ones to the largest count
+        of any rank: every rank must run the same number of backward calls (ZeRO collectives)."""
+        mbs = pack_microbatches(samples, self.cfg.actor.micro_batch_size, self.pad_id, token_fields) if samples else []
+        n_mb = max(1, int(all_reduce_max(len(mbs))))
+        while len(mbs) < n_mb:
+            mbs.append(empty_microbatch(self.pad_id, ["rollout_log_probs", *token_fields]))
+        return mbs
+
+    def _forward_backward(self, microbatches: List[dict], counts: StepCounts) -> dict:
+        """Forward/backward every microbatch with its objective; returns summed metric partials."""
         a = self.cfg.algo
-        if self.decision.reuse:
-            # Runtime guards: reuse is only exact for one optimizer step on fresh rollout data.
-            assert self.steps_per_rollout == 1, (
-                f"reuse_logprobs requires exactly 1 optimizer step per rollout, got {self.steps_per_rollout}")
-            assert "old_log_probs" not in token_fields, "reuse_logprobs requires rollout data without actor log-probs"
-        # Global normalizers over every sample of this optimizer step on every rank.
-        lens = [len(s.response_ids) for s in all_samples]
-        g_tokens, g_seqs, g_trained_tokens, g_mb = all_reduce_sum(
-            [sum(lens), len(lens), sum(len(s.response_ids) for s in samples), max(1, -(-len(samples) // mbs))])
-        norm_len = float(self.cfg.rollout.max_new_tokens)
-        microbatches = pack_microbatches(samples, mbs, self.pad_id, token_fields) if samples else []
-        # Every rank must run the same number of backward calls (ZeRO collectives); pad with an
-        # empty microbatch (all-zero mask: contributes exactly zero).
-        n_mb = max(1, int(all_reduce_max(len(microbatches))))
-        while len(microbatches) < n_mb:
-            microbatches.append(_empty_microbatch(all_samples[0], self.pad_id, token_fields))
         sums: dict = {}
         with microbatch_bar(len(microbatches), "actor train", enabled=self.cfg.logger.progress) as bar:
             for i, mb in enumerate(microbatches):
                 for hook in self.hooks:
                     hook(mb)
-                reduce = Aggregator.build(a.loss_agg_mode, mb["loss_mask"], global_tokens=g_tokens,
-                                          global_seqs=g_seqs, norm_len=norm_len)
-                objective, config = self._objective_for(mb)
-                out = self.actor.forward_backward(mb, objective, config, reduce,
+                spec, config = self._objective_for(mb)
+                if "sampling_logprobs" in spec.required_inputs:  # Tinker's sampler log-probs q
+                    mb["sampling_logprobs"] = mb["rollout_log_probs"]
+                reduce = Aggregator.build(spec.aggregation or a.loss_agg_mode, mb["loss_mask"],
+                                          global_tokens=counts.tokens, global_seqs=counts.seqs,
+                                          norm_len=float(self.cfg.rollout.max_new_tokens))
+                out = self.actor.forward_backward(mb, spec, config, reduce,
                                                   reuse_training_logprobs=self.decision.reuse,
                                                   is_last=i == len(microbatches) - 1)
                 for n, v in out.metrics.items():
                     sums[n] = sums.get(n, 0.0) + float(v)
                 bar.update(1)
-        grad_norm = self.actor.optimizer_step()
-        if self.cfg.trainer.check_rank_sync:
-            self._assert_ranks_in_sync()
+        return sums
+
+    def _step_metrics(self, sums: dict, counts: StepCounts, grad_norm: float) -> dict:
+        """Global metrics of one optimizer step. Objective metrics are means over the *trained*
+        samples; when no sample was trained they were never measured and are left out (never a
+        fabricated 0). The loss itself is the global loss (skipped samples contribute 0)."""
+        a = self.cfg.algo
         names = sorted(sums)
-        totals = all_reduce_sum([sums[n] for n in names])
-        # Metrics of skipped samples are zero by construction: report them per trained token.
-        scale = g_tokens / max(g_trained_tokens, 1.0) if a.loss_agg_mode == "token-mean" else 1.0
-        out = {}
-        for n, v in zip(names, totals):
+        totals = dict(zip(names, all_reduce_sum([sums[n] for n in names])))
+        diff_sum, diff_tokens = totals.pop("rollout/abs_diff_sum", 0.0), totals.pop("rollout/tokens", 0.0)
+        out = {"train/grad_norm": grad_norm, "train/trained_fraction": counts.trained_tokens / max(counts.tokens, 1.0),
+               "train/microbatches": counts.microbatches}
+        # Skipped samples add exact zeros to the partial sums: rescale to the trained ones.
+        if a.loss_agg_mode == "token-mean":
+            scale = counts.tokens / max(counts.trained_tokens, 1.0)
+        elif a.loss_agg_mode.startswith("seq-mean"):
+            scale = counts.seqs / max(counts.trained_seqs, 1.0)
+        else:
+            scale = 1.0
+        for n, v in totals.items():
             key = n if "/" in n else f"train/{n}"
-            out[key] = v if (n in ("loss", "pg_loss") or "/" in n) else v * scale
-        out["train/grad_norm"] = grad_norm
-        out["train/trained_fraction"] = g_trained_tokens / max(g_tokens, 1.0)
-        out["train/microbatches"] = g_mb
+            if n in LOSS_METRICS or "/" in n:
+                out[key] = v
+            elif counts.trained_tokens > 0:
+                out[key] = v * scale
         # Weight-push check: trainer vs vLLM log-probs of the new samples (before this update).
-        diff_sum, diff_tokens = out.pop("rollout/abs_diff_sum", 0.0), out.pop("rollout/tokens", 0.0)
-        out["rollout/logprob_diff"] = diff_sum / max(diff_tokens, 1.0)
+        # Under top_p < 1 vLLM's log-probs are over the renormalized nucleus: not comparable.
+        if diff_tokens > 0 and self.cfg.rollout.top_p == 1.0:
+            out["rollout/logprob_diff"] = diff_sum / diff_tokens
         return out
 
     def _objective_for(self, mb: dict):
         """A microbatch (work unit) may name its own objective and config (e.g. set by a hook);
         otherwise the run's configured objective applies."""
         name = mb.pop("loss_fn", None)
-        overrides = mb.pop("loss_fn_config", None) or {}
-        unknown = sorted(set(overrides) - set(self.algo))
-        if unknown:
-            raise ValueError(f"microbatch of samples {mb.get('sample_indices')}: unknown loss_fn_config "
-                             f"key(s) {unknown} (valid: algo.* names)")
-        objective = self.objective if name is None else get_objective(name)
-        return objective, ({**self.algo, **overrides} if overrides else self.algo)
+        overrides = mb.pop("loss_fn_config", None)
+        if name is None and overrides is None:
+            return self.objective, self.objective_config
+        spec = self.objective if name is None else get_objective(name)
+        try:
+            return spec, objective_config(spec, self.algo, overrides or {})
+        except KeyError as e:
+            raise ValueError(f"microbatch of samples {mb.get('sample_indices')}: {e.args[0]}") from None
 
     def _assert_ranks_in_sync(self) -> None:
         """Every rank must hold bit-identical full parameters after an optimizer step."""
@@ -286,10 +332,3 @@ def all_reduce_max(value: float) -> float:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
-
-
-def _empty_microbatch(template: Sample, pad_id: int, token_fields: dict) -> dict:
-    s = dataclasses.replace(template, response_ids=[pad_id], rollout_log_probs=[0.0], index=-1)
-    mb = collate([s], pad_id, {k: [torch.zeros(1)] for k in token_fields})
-    mb["loss_mask"].zero_()
-    return mb

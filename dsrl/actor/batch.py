@@ -62,6 +62,20 @@ def collate(samples: Sequence[Sample], pad_id: int, token_fields: Optional[dict]
     return batch
 
 
+def empty_microbatch(pad_id: int, fields=()) -> dict:
+    """A one-target row with an all-zero loss mask, plus a zero per-token tensor for each name in
+    `fields`: contributes exactly zero loss and gradient. A rank with fewer microbatches than the
+    others runs these so that every rank enters the same number of ZeRO collectives."""
+    mb = {"input_ids": torch.full((1, 2), pad_id, dtype=torch.long),
+          "attention_mask": torch.tensor([[1, 0]], dtype=torch.long),
+          "targets": torch.full((1, 1), pad_id, dtype=torch.long),
+          "loss_mask": torch.zeros((1, 1), dtype=torch.float32),
+          "sample_indices": [-1]}
+    for name in fields:
+        mb[name] = torch.zeros((1, 1), dtype=torch.float32)
+    return mb
+
+
 def masked_rows(values: torch.Tensor, mask: torch.Tensor) -> list:
     """Inverse of collate for one per-token field: each row's values under its loss mask."""
     keep = mask.bool()

@@ -19,6 +19,7 @@ from typing import Iterable, Mapping, Optional
 import torch
 
 from dsrl.actor.logprobs import token_logprobs
+from dsrl.distributed.ports import free_port
 from dsrl.loss.registry import ObjectiveSpec
 from dsrl.loss.types import Aggregator, LossInputs, LossOutput
 
@@ -36,11 +37,7 @@ def init_distributed() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_port())
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend)
 

@@ -28,12 +28,12 @@ microbatches so that every rank enters the same number of ZeRO collectives.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from dsrl.actor.batch import empty_microbatch
 from dsrl.loss import tinker as tinker_losses
 from dsrl.loss.registry import OBJECTIVES, ObjectiveSpec
 from dsrl.loss.types import Aggregator
@@ -216,18 +216,6 @@ class TrainingSession:
         mb.update(fields)
         return mb
 
-    def _empty_microbatch(self, loss_fn: str) -> dict:
-        """A one-token row with an all-zero mask: exactly zero loss and gradient."""
-        mb = {"input_ids": torch.full((1, 2), self.pad_id, dtype=torch.long),
-              "attention_mask": torch.tensor([[1, 0]], dtype=torch.long),
-              "targets": torch.zeros((1, 1), dtype=torch.long),
-              "loss_mask": torch.zeros((1, 1), dtype=torch.float32),
-              "sample_indices": [-1], "datum_lengths": [1]}
-        for k in tinker_losses.REQUIRED_INPUTS[loss_fn]:
-            if k != "target_tokens":
-                mb[tinker_losses.BATCH_KEYS[k]] = torch.zeros((1, 1), dtype=torch.float32)
-        return mb
-
     def _run(self, data: Sequence, loss_fn: str, loss_fn_config: Optional[Mapping], *,
              forward_only: bool) -> ForwardBackwardOutput:
         spec = self._objective(loss_fn)
@@ -253,7 +241,9 @@ class TrainingSession:
                 idx = chunks[k]
                 mb = self._collate([prepared[i] for i in idx], idx, loss_fn)
             else:
-                mb = self._empty_microbatch(loss_fn)
+                mb = empty_microbatch(self.pad_id, [tinker_losses.BATCH_KEYS[k] for k in
+                                                    tinker_losses.REQUIRED_INPUTS[loss_fn] if k != "target_tokens"])
+                mb["datum_lengths"] = [1]
             reduce = Aggregator.build("sum", mb["loss_mask"])
             out = self.engine.forward_backward(mb, spec, config, reduce, is_last=False, forward_only=forward_only)
             if k >= n_local:

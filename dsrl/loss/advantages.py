@@ -20,7 +20,7 @@ from dsrl.loss.detach import detach_fixed_scores
 from dsrl.loss.kl import approx_kl
 from dsrl.loss.opd import apply_opd_kl_to_advantages
 from dsrl.loss.options import opt
-from dsrl.loss.registry import ADVANTAGE_ESTIMATORS, register_advantage
+from dsrl.loss.registry import get_advantage_estimator, register_advantage
 
 GRPO_STD_EPS = 1e-6
 WHITEN_EPS = 1e-8
@@ -94,7 +94,7 @@ def rloo(rewards, mask, group_ids, config, kl=None):
     return a, a.clone()
 
 
-@register_advantage("reinforce_pp")
+@register_advantage("reinforce_pp", uses_kl_in_reward=True)
 def reinforce_pp(rewards, mask, group_ids, config, kl=None):
     """REINFORCE++: token reward −kl_coef·kl_t on trainable tokens plus the raw reward at the last
     trainable token, discounted returns G_t = u_t + γ·G_{t+1}; A = R = G (0 on masked tokens).
@@ -117,7 +117,7 @@ def reinforce_pp(rewards, mask, group_ids, config, kl=None):
     return a, a.clone()
 
 
-@register_advantage("reinforce_pp_baseline")
+@register_advantage("reinforce_pp_baseline", uses_kl_in_reward=True)
 def reinforce_pp_baseline(rewards, mask, group_ids, config, kl=None):
     """REINFORCE++ with a group-mean baseline: A_t = (r − mean_group r) − kl_coef·kl_t; R = A."""
     mean, _, _, _ = group_stats(rewards, group_index(len(rewards), group_ids, config))
@@ -187,7 +187,7 @@ def compute_advantages(rollout_data: MutableMapping[str, Any], config: Any) -> M
         kl = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
 
     name = opt(config, "advantage_estimator")
-    adv, ret = ADVANTAGE_ESTIMATORS.get_or_raise(name)(rewards, mask, rollout_data.get("group_ids"), config, kl)
+    adv, ret = get_advantage_estimator(name)(rewards, mask, rollout_data.get("group_ids"), config, kl)
 
     if opt(config, "use_opd"):
         if src is None:

@@ -23,14 +23,22 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from dsrl.loss.kl import approx_kl
+from dsrl.loss.numerics import safe_exp, safe_log_ratio
 from dsrl.loss.options import opt
-from dsrl.registry import Registry, load_callable
+from dsrl.registry import Registry
 
 Correction = Callable[..., tuple]
-CORRECTIONS = Registry("correction")
-register_correction = CORRECTIONS.register
 
-_LOG_CLAMP = 20.0
+
+def _as_correction(obj: Any, path: str) -> Correction:
+    """A correction named by dotted path (config key algo.tis_function) must be a function."""
+    if not callable(obj):
+        raise TypeError("a correction must be a function fn(pg_loss, train_log_probs, rollout_log_probs, mask, config)")
+    return obj
+
+
+CORRECTIONS = Registry("correction", wrap=_as_correction)
+register_correction = CORRECTIONS.register
 
 
 def get_tis_function(config: Optional[Mapping[str, Any]]) -> tuple[Correction, bool]:
@@ -42,7 +50,7 @@ def get_tis_function(config: Optional[Mapping[str, Any]]) -> tuple[Correction, b
         return spec, False
     if spec in CORRECTIONS:
         return CORRECTIONS[spec], True
-    return load_callable(str(spec), "algo.tis_function"), False
+    return CORRECTIONS.resolve(str(spec), "algo.tis_function"), False
 
 
 def _require(train_log_probs, rollout_log_probs, who: str) -> None:
@@ -56,9 +64,8 @@ def _require(train_log_probs, rollout_log_probs, who: str) -> None:
 
 def _log_ratio(train: torch.Tensor, roll: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Detached `train − roll`, finite, 0 on inactive tokens, clamped to ±20 (safe exp)."""
-    d = (train.detach() - roll.detach()).nan_to_num(nan=0.0, posinf=_LOG_CLAMP, neginf=-_LOG_CLAMP)
-    d = torch.where(mask > 0, d, torch.zeros_like(d))
-    return d.clamp(min=-_LOG_CLAMP, max=_LOG_CLAMP)
+    d = safe_log_ratio(train.detach() - roll.detach())
+    return torch.where(mask > 0, d, torch.zeros_like(d))
 
 
 def _metrics(w: torch.Tensor, w_used: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -107,7 +114,7 @@ def mis(pg_loss, train_log_probs, rollout_log_probs, mask, config):
         log_w = (d.sum(-1, keepdim=True) / n).expand_as(d)
     else:
         raise ValueError(f"mis_level must be token|sequence|geometric, got {level!r}")
-    w = log_w.clamp(min=-_LOG_CLAMP, max=_LOG_CLAMP).exp()
+    w = safe_exp(log_w)
     w = torch.where(active, w, torch.ones_like(w))
     lo, hi = float(opt(config, "mis_lower")), float(opt(config, "mis_upper"))
     keep = active.clone()

@@ -17,22 +17,15 @@ import torch
 from dsrl.loss.corrections import get_tis_function, mismatch_metrics
 from dsrl.loss.detach import fixed
 from dsrl.loss.kl import approx_kl
+from dsrl.loss.numerics import safe_exp
 from dsrl.loss.options import clip_bounds, opt
 from dsrl.loss.registry import register_objective
 from dsrl.loss.types import LossInputs, LossOutput
-
-_LOG_CLAMP = 20.0
 
 
 def _active_only(x: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
     """x on active tokens with nan/±inf -> 0, exact 0 elsewhere (gradient-safe: `where`)."""
     return torch.where(active, x.nan_to_num(0.0, 0.0, 0.0), torch.zeros_like(x))
-
-
-def _safe_exp_neg(ppo_kl: torch.Tensor) -> torch.Tensor:
-    """exp(−ppo_kl) with the log-ratio nan->0, ±inf->±20, clamped to [−20, 20] (miles)."""
-    log_ratio = (-ppo_kl).nan_to_num(nan=0.0, posinf=_LOG_CLAMP, neginf=-_LOG_CLAMP)
-    return log_ratio.clamp(min=-_LOG_CLAMP, max=_LOG_CLAMP).exp()
 
 
 def select_old_policy(inputs: LossInputs) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -112,7 +105,7 @@ def _policy_loss(inputs: LossInputs, ratio_kind: str, surrogate: Callable) -> Lo
     old = _active_only(old.to(lp.dtype), active)
 
     ppo_kl = (_sequence_kl if ratio_kind == "sequence" else _token_kl)(lp, old, active)
-    ratio = _safe_exp_neg(ppo_kl)
+    ratio = safe_exp(-ppo_kl)
     lo, hi = clip_bounds(cfg)
     pg, clipfrac = surrogate(ratio, adv, lp, lo, hi, cfg)
 
@@ -134,7 +127,7 @@ def _policy_loss(inputs: LossInputs, ratio_kind: str, surrogate: Callable) -> Lo
             raise ValueError("use_kl_loss requires batch['ref_log_probs']")
         coef = float(opt(cfg, "kl_loss_coef"))
         src = lp if coef != 0 else lp.detach()
-        is_ratio = _safe_exp_neg(old - src) if opt(cfg, "use_unbiased_kl") else None
+        is_ratio = safe_exp(src - old) if opt(cfg, "use_unbiased_kl") else None
         kl = approx_kl(src, _active_only(ref, active), opt(cfg, "kl_loss_type"), is_ratio)
         kl_loss = reduce(_active_only(kl, active))
         if coef != 0:
@@ -174,19 +167,22 @@ def _cispo_surrogate(ratio, adv, lp, lo, hi, cfg):
     return cispo_pg(ratio, adv, lp, lo, hi)
 
 
-@register_objective("ppo", required_inputs=("advantages",))
+@register_objective("ppo", required_inputs=("advantages",), needs_old_log_probs=True,
+                    skip_zero_advantage_exact=True)
 def ppo(inputs: LossInputs) -> LossOutput:
     """Token-level clipped PPO (GRPO/DAPO/Dr.GRPO differ only in advantages and config)."""
     return _policy_loss(inputs, "token", _ppo_surrogate)
 
 
-@register_objective("gspo", required_inputs=("advantages",))
+@register_objective("gspo", required_inputs=("advantages",), needs_old_log_probs=True,
+                    skip_zero_advantage_exact=True)
 def gspo(inputs: LossInputs) -> LossOutput:
     """GSPO: PPO clip on the per-sequence geometric-mean ratio."""
     return _policy_loss(inputs, "sequence", _ppo_surrogate)
 
 
-@register_objective("cispo", required_inputs=("advantages",))
+@register_objective("cispo", required_inputs=("advantages",), needs_old_log_probs=True,
+                    skip_zero_advantage_exact=True)
 def cispo(inputs: LossInputs) -> LossOutput:
     """CISPO: REINFORCE weighted by the stop-gradient clipped token ratio (no token is dropped)."""
     return _policy_loss(inputs, "token", _cispo_surrogate)

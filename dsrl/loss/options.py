@@ -39,3 +39,15 @@ def clip_bounds(config: Optional[Mapping[str, Any]]) -> tuple[float, float]:
     hi = opt(config, "eps_clip_high")
     hi = lo if hi is None else float(hi)
     return 1.0 - lo, 1.0 + hi
+
+
+def objective_config(spec, algo: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict:
+    """The config an objective receives. Objectives with their own `config_defaults` (Tinker's)
+    get exactly those keys, overridden by `overrides`; the others get the run's algo config with
+    `overrides` on top. KeyError names unknown override keys."""
+    valid = algo if spec.config_defaults is None else spec.config_defaults
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        where = "algo.* names" if spec.config_defaults is None else f"{spec.name} accepts {sorted(valid)}"
+        raise KeyError(f"unknown loss_fn_config key(s) {unknown} (valid: {where})")
+    return {**valid, **overrides}

@@ -158,7 +158,9 @@ def _log_ratio(inputs: LossInputs, mask: torch.Tensor, loss_fn: str) -> torch.Te
 
 
 @register_objective(NAMESPACE + "cross_entropy", config_defaults=CONFIG_DEFAULTS["cross_entropy"],
-                    required_inputs=("loss_weights",))
+                    required_inputs=("loss_weights",), aggregation="sum",
+                    rl_loop_error="it needs per-token loss weights (SFT data), which RL rollouts do not "
+                                  "produce; use policy_loss=sft to imitate samples")
 def tinker_cross_entropy(inputs: LossInputs) -> LossOutput:
     cfg = resolve_config("cross_entropy", inputs.config)  # noqa: F841 (validates: no keys allowed)
     m = _mask(inputs)
@@ -168,7 +170,8 @@ def tinker_cross_entropy(inputs: LossInputs) -> LossOutput:
 
 
 @register_objective(NAMESPACE + "importance_sampling", config_defaults=CONFIG_DEFAULTS["importance_sampling"],
-                    required_inputs=("sampling_logprobs", "advantages"))
+                    required_inputs=("sampling_logprobs", "advantages"), aggregation="sum",
+                    skip_zero_advantage_exact=True)
 def tinker_importance_sampling(inputs: LossInputs) -> LossOutput:
     resolve_config("importance_sampling", inputs.config)
     m = _mask(inputs)
@@ -178,7 +181,8 @@ def tinker_importance_sampling(inputs: LossInputs) -> LossOutput:
 
 
 @register_objective(NAMESPACE + "ppo", config_defaults=CONFIG_DEFAULTS["ppo"],
-                    required_inputs=("sampling_logprobs", "advantages"))
+                    required_inputs=("sampling_logprobs", "advantages"), aggregation="sum",
+                    skip_zero_advantage_exact=True)
 def tinker_ppo(inputs: LossInputs) -> LossOutput:
     cfg = resolve_config("ppo", inputs.config)
     m = _mask(inputs)
@@ -191,7 +195,8 @@ def tinker_ppo(inputs: LossInputs) -> LossOutput:
 
 
 @register_objective(NAMESPACE + "cispo", config_defaults=CONFIG_DEFAULTS["cispo"],
-                    required_inputs=("sampling_logprobs", "advantages"))
+                    required_inputs=("sampling_logprobs", "advantages"), aggregation="sum",
+                    skip_zero_advantage_exact=True)
 def tinker_cispo(inputs: LossInputs) -> LossOutput:
     cfg = resolve_config("cispo", inputs.config)
     m = _mask(inputs)
@@ -202,7 +207,8 @@ def tinker_cispo(inputs: LossInputs) -> LossOutput:
 
 
 @register_objective(NAMESPACE + "dro", config_defaults=CONFIG_DEFAULTS["dro"],
-                    required_inputs=("sampling_logprobs", "advantages"))
+                    required_inputs=("sampling_logprobs", "advantages"), aggregation="sum",
+                    skip_zero_advantage_exact=False)
 def tinker_dro(inputs: LossInputs) -> LossOutput:
     cfg = resolve_config("dro", inputs.config)
     m = _mask(inputs)

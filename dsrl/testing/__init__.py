@@ -3,10 +3,10 @@ and the model folders prepared by dsrl.setup_assets."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Optional
 
+from dsrl.distributed.ports import free_port
 from dsrl.setup_assets import (default_cache_dir, make_tiny_model, smollm2_path,
                                tiny_model_path, torch_extensions_dir)
 
@@ -33,12 +33,6 @@ def ensure_tiny_model(cache_dir: Optional[os.PathLike] = None) -> Path:
 def smollm2_available(cache_dir: Optional[os.PathLike] = None) -> bool:
     p = smollm2_path(cache_dir)
     return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Set in the test process once an in-process engine initialised torch.distributed; a child job

@@ -3,13 +3,13 @@ point, on the tiny random Llama (SmolLM2 tokenizer). One process, then two ranks
 DeepSpeed's launcher with ZeRO-3."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from dsrl.distributed.ports import free_port
 from dsrl.testing import subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -21,11 +21,6 @@ COMMON = ["+exp=grpo_reuse", "trainer.total_steps=2", "data.num_eval=8", "algo.r
           "algo.n_samples_per_prompt=4", "algo.global_batch_size=16", "rollout.max_new_tokens=8",
           "actor.lr=1e-4", "algo.entropy_coef=0.01", "model.dtype=float32", "rollout.dtype=float32"]  # random model: reward 0, entropy gives a gradient
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd, cwd, timeout):
@@ -89,7 +84,7 @@ def test_two_ranks_deepspeed_launcher(tmp_path, tiny_model_path, zero_stage):
     (trainer.check_rank_sync raises otherwise), full weights (gathered under ZeRO-3) pushed."""
     run_dir = tmp_path / "run2"
     deepspeed = Path(sys.executable).parent / "deepspeed"
-    out = _run([str(deepspeed), "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "dsrl.main",
+    out = _run([str(deepspeed), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "dsrl.main",
                 *COMMON, f"model.path={tiny_model_path}", f"actor.zero_stage={zero_stage}",
                 "actor.stage3_param_persistence_threshold=0", "trainer.check_rank_sync=true",
                 "trainer.eval_before=false", f"hydra.run.dir={run_dir}"],

@@ -4,12 +4,12 @@ gradients alone, optim_step = AdamW on the accumulated gradient, then cleared.""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
 from dsrl.actor.work_units import AdamParams, TrainingSession
+from dsrl.distributed.ports import free_port
 from tinker_helpers import (build_tiny_llama, full_grads, full_params, load_plain, random_datums,
                             reference_loss, two_rank_worker)
 
@@ -94,9 +94,7 @@ def test_engine_gradients_accumulation_and_step(tiny_path, stage):
 def test_two_ranks_zero2_zero3_equal_single_process_gradient(tiny_path, tmp_path):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=two_rank_worker, args=(r, 2, port, tiny_path, str(tmp_path), (2, 3), 3))
              for r in range(2)]

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from dsrl.config.reuse import ConfigError, decide_reuse
+from dsrl.config.reuse import ConfigError, ReuseInvariantError, decide_reuse
 from dsrl.config.schema import Config
 from dsrl.config.validate import validate
 from dsrl.data.types import user_prompt
@@ -140,18 +140,18 @@ def test_runtime_guard_rejects_more_than_one_optimizer_step(tmp_path):
     cfg = _cfg(reuse_logprobs="auto", global_batch_size=4)
     t, actor, _ = _trainer(cfg, tmp_path, with_ref=False)
     t.decision = dataclasses.replace(t.decision, reuse=True, run_old_pass=False)  # bypass the validator
-    with pytest.raises(AssertionError, match="exactly 1 optimizer step"):
+    with pytest.raises(ReuseInvariantError, match="optimizer step"):
         t.step(1)
-    assert actor.train_batches == []  # rejected before any training forward
+    assert actor.train_batches == [] and actor.score_calls == 0  # rejected before any forward
 
 
 def test_runtime_guard_rejects_precomputed_actor_logprobs(tmp_path):
     cfg = _cfg(reuse_logprobs="on")
     t, actor, _ = _trainer(cfg, tmp_path, with_ref=False)
     t.decision = dataclasses.replace(t.decision, run_old_pass=True)  # a stale old pass sneaks in
-    with pytest.raises(AssertionError, match="without actor log-probs"):
+    with pytest.raises(ReuseInvariantError, match="old_log_probs"):
         t.step(1)
-    assert actor.train_batches == []
+    assert actor.train_batches == [] and actor.score_calls == 0  # before the old pass itself
 
 
 def test_on_with_blockers_fails_closed():
@@ -183,6 +183,8 @@ def test_opd_scores_the_teacher_and_keeps_the_old_pass(tmp_path):
     # 0.577); OPD subtracts opd_kl_coef * (student - teacher) = 0.5 * (-0.7 + 0.9) = 0.1 per token.
     adv = torch.cat(seen["adv"])
     assert torch.allclose((adv + 0.1).abs(), torch.full_like(adv, 0.5 / (0.5773502691896258 + 1e-6)), atol=1e-5)
+    # The reverse KL reaches the logs: student - teacher = -0.7 - (-0.9) on every trained token.
+    assert m["train/opd_reverse_kl"] == pytest.approx(0.2, abs=1e-6)
 
 
 def test_gsm8k_is_a_selectable_prompt_source(tmp_path):
@@ -248,3 +250,83 @@ def test_a_work_unit_may_name_its_own_objective(tmp_path, monkeypatch):
     t2, _, _ = _trainer(bad, tmp_path, with_ref=False)
     with pytest.raises(ValueError, match="no_such_key"):
         t2._objective_for({"loss_fn": "ppo", "loss_fn_config": {"no_such_key": 1}, "sample_indices": [0]})
+
+
+class EqualRewardWorker(FakeWorker):
+    """Every completion of every group gets the same reward: all advantages are zero."""
+
+    def generate(self, prompt_ids, **kw):
+        groups = super().generate(prompt_ids, **kw)
+        for g in groups:
+            for c in g:
+                c.text = "1"
+        return groups
+
+
+def test_a_step_with_every_sample_skipped_logs_no_fabricated_metrics(tmp_path):
+    cfg = _cfg(reuse_logprobs="on")
+    t, actor, _ = _trainer(cfg, tmp_path, with_ref=False)
+    t.worker = EqualRewardWorker()
+    m = t.step(1)
+    assert t.skip_zero_advantage and m["train/trained_fraction"] == 0.0
+    # Never measured: absent, not 0.
+    for key in ("train/ppo_kl", "train/pg_clipfrac", "train/logprob", "rollout/logprob_diff"):
+        assert key not in m, key
+    # The loss is known exactly (every advantage is 0) and the optimizer still steps (Adam's
+    # moments move the weights as they would in the unskipped step).
+    assert m["train/loss"] == 0.0 and actor.steps == 1
+
+
+def test_tinker_objective_in_the_rl_loop(tmp_path):
+    """tinker:ppo driven by the loop: rollout log-probs are the sampler log-probs q, the objective
+    gets its own config keys only, raw-sum loss; no old-policy pass."""
+    cfg = _cfg(reuse_logprobs="auto", policy_loss="tinker:ppo", loss_agg_mode="sum",
+               loss_fn_config={"clip_high_threshold": 1.3})
+    t, actor, _ = _trainer(cfg, tmp_path, with_ref=False)
+    assert not t.decision.run_old_pass
+    seen = []
+    real = actor.forward_backward
+
+    def spy(mb, objective, config, reduce, **kw):
+        seen.append((dict(config), torch.equal(mb["sampling_logprobs"], mb["rollout_log_probs"])))
+        return real(mb, objective, config, reduce, **kw)
+    actor.forward_backward = spy
+    m = t.step(1)
+    assert actor.score_calls == 0
+    assert seen and all(c == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.3} and same for c, same in seen)
+    # By hand: FakeWorker gives sample j of a group tokens with q = [-0.5, -0.25, -1.0][:2 + j % 2] and
+    # reward j % 2 (text "1" for odd j); the fake trainer log-prob is -0.7 on every token; GRPO
+    # advantages are +-0.5 / (std 0.57735 + 1e-6); loss = -sum_tokens min(r A, clip(r, 0.8, 1.3) A).
+    import math
+    a = 0.5 / (0.5773502691896258 + 1e-6)
+    total = 0.0
+    for _group in range(2):
+        for j in range(4):
+            adv = a if j % 2 else -a
+            for q in [-0.5, -0.25, -1.0][: 2 + j % 2]:
+                r = math.exp(-0.7 - q)
+                total += -min(r * adv, min(max(r, 0.8), 1.3) * adv)
+    assert m["train/loss:sum"] == pytest.approx(total, rel=1e-5)
+
+
+@pytest.mark.parametrize("algo,exact", [
+    ({}, True),
+    ({"skip_zero_variance_groups": False}, False),
+    ({"policy_loss": "gspo"}, True),
+    ({"policy_loss": "cispo"}, True),
+    ({"policy_loss": "sft"}, False),
+    ({"policy_loss": "tinker:ppo"}, True),
+    ({"policy_loss": "tinker:dro"}, False),
+    ({"entropy_coef": 0.01}, False),
+    ({"use_kl_loss": True, "kl_loss_coef": 0.1}, False),
+    ({"use_tis": True}, True),
+    ({"use_tis": True, "tis_function": "icepop"}, True),
+    ({"use_tis": True, "tis_function": "mis"}, False),  # mis_batch_normalize defaults to true
+    ({"use_tis": True, "tis_function": "mis", "mis_batch_normalize": False}, True),
+    ({"use_tis": True, "tis_function": "tests.my_tis.fn"}, False),
+])
+def test_zero_advantage_skip_is_declared_exact_only_where_it_is(algo, exact):
+    from dsrl.loss.skip import zero_advantage_skip
+
+    skip, reason = zero_advantage_skip(_cfg(**algo))
+    assert skip is exact and reason
