@@ -19,9 +19,31 @@ register_configs()
 
 
 def _configure_env(cache_dir: str) -> None:
+    from dsrl.tracking.console import adopt_library_loggers
+
     # DeepSpeed's JIT op cache lives in the project cache (warmed by set-up).
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(cache_dir, "torch_extensions"))
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if _has_cuda() else "cpu")
+    # Libraries imported by now (DeepSpeed, transformers) print through their own handlers:
+    # route them through dsrl's console filter and run.log.
+    adopt_library_loggers()
+
+
+def _resolve_hardware(cfg, cfg_node: DictConfig) -> list:
+    """Fill every `auto` machine-dependent setting (dsrl/hardware.py) into `cfg` and into the node
+    that becomes config.yaml; say once (rank 0) what was chosen and why."""
+    from dsrl import hardware
+    from dsrl.distributed.ranks import is_main_rank, world_size
+
+    machine = hardware.probe(local_ranks=hardware.local_world_size(world_size()))
+    decisions = hardware.decide(cfg, machine)
+    hardware.apply(cfg, decisions)
+    hardware.record_resolved(cfg_node, decisions)
+    if is_main_rank():
+        log.info(hardware.describe(machine))
+        for d in decisions:
+            (log.warning if d.warning else log.info)(d.line())
+    return decisions
 
 
 def _has_cuda() -> bool:
@@ -41,12 +63,13 @@ def run(cfg_node: DictConfig, run_dir: str) -> dict:
 
 def build(cfg_node: DictConfig, run_dir: str):
     """Validate the config (before anything heavy), then build the components into a Trainer."""
-    from dsrl.config.reuse import decide_reuse
+    from dsrl.config.reuse import ConfigError, decide_reuse, reuse_for_model, reuse_for_model_config
     from dsrl.config.schema import to_config
     from dsrl.config.validate import validate
 
     cfg = to_config(cfg_node)
     validate(cfg)  # config errors surface here, before any model loads
+    _resolve_hardware(cfg, cfg_node)  # `auto` dtypes / kernels / threads, before any model loads
     decision = decide_reuse(cfg)
 
     import torch
@@ -56,22 +79,25 @@ def build(cfg_node: DictConfig, run_dir: str):
     from dsrl.data.chat import apply_chat_template
     from dsrl.data.registry import build_source
     from dsrl.distributed.ranks import global_rank, is_main_rank, local_rank, world_size
+    from dsrl.hardware import local_world_size
     from dsrl.reward.registry import verifier_for_source
     from dsrl.rollout.vllm_worker import VLLMWorker
     from dsrl.setup_assets import default_cache_dir, resolve_model_path
+    from dsrl.tracking.console import prints_to_log
     from dsrl.trainer import Trainer
 
     cache = str(default_cache_dir())
     _configure_env(cache)
     model_path = resolve_model_path(cfg.model.path, cache)
+    decision = reuse_for_model_config(decision, cfg, model_path)  # HF config fields; still no model loaded
     source = build_source(cfg.data)
-    verifier = verifier_for_source(source)
+    verifier = verifier_for_source(source, cfg.data.verifier)
 
-    init_distributed()
+    with prints_to_log("DeepSpeed", verbose=cfg.logger.verbose):  # its op-loading notices go to run.log
+        init_distributed()
     torch.manual_seed(cfg.trainer.seed)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size())
-    threads = cfg.actor.num_threads or max(1, (os.cpu_count() or 1) // max(local_world, 1))
-    torch.set_num_threads(threads)
+    local_world = local_world_size(world_size())
+    torch.set_num_threads(cfg.actor.num_threads)  # resolved by dsrl.hardware
     if is_main_rank():
         OmegaConf.save(cfg_node, os.path.join(run_dir, "config.yaml"), resolve=True)
         log.info("run dir: %s | ranks: %d | model: %s", run_dir, world_size(), model_path)
@@ -89,6 +115,11 @@ def build(cfg_node: DictConfig, run_dir: str):
     actor = ActorEngine(model_path, trainable=True, lr=ac.lr, betas=ac.betas, eps=ac.eps,
                         weight_decay=ac.weight_decay, grad_clip=ac.grad_clip, micro_batch_size=ac.micro_batch_size,
                         gradient_checkpointing=ac.gradient_checkpointing, **common)
+    try:
+        decision = reuse_for_model(decision, cfg, actor.module)  # the built modules, before training
+    except ConfigError:
+        worker.close()
+        raise
     needs_ref = a.kl_coef != 0 or a.use_kl_loss
     ref = ActorEngine(model_path, trainable=False, role="ref", micro_batch_size=ac.forward_micro_batch_size,
                       **common) if needs_ref else None
@@ -107,8 +138,10 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from dsrl.config.reuse import ConfigError
+    from dsrl.tracking.console import setup_console
 
     run_dir = HydraConfig.get().runtime.output_dir
+    setup_console(run_dir, verbose=bool(OmegaConf.select(cfg, "logger.verbose", default=False)))
     try:
         summary = run(cfg, run_dir)
     except ConfigError as e:

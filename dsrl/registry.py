@@ -77,7 +77,7 @@ class Registry(dict):
 
 def load_object(path: str, key: str) -> Any:
     """Import `pkg.mod.attr` or `pkg.mod:attr`; errors name the config `key` that gave the path."""
-    mod_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    mod_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
     if not mod_name or not attr:
         raise PluginError(f"{key}: {path!r} is not a dotted path 'pkg.module.attr'")
     try:

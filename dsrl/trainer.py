@@ -62,7 +62,7 @@ class Trainer:
         self.objective_config = objective_config(self.objective, self.algo, cfg.algo.loss_fn_config)
         self.skip_zero_advantage, self.skip_reason = zero_advantage_skip(cfg)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.logger = MetricsLogger(run_dir, tensorboard=cfg.logger.tensorboard)
+        self.logger = MetricsLogger.from_config(run_dir, cfg)  # jsonl + TensorBoard (+ W&B)
         self.timer = PhaseTimer(phases=PHASES)
         self.rng = random.Random(cfg.data.seed * 1000 + global_rank())
         # Divisibility by the world size is checked by dsrl.config.validate before anything loads.

@@ -19,6 +19,7 @@ from typing import Iterable, Mapping, Optional
 import torch
 
 from dsrl.actor.logprobs import token_logprobs
+from dsrl.actor.stochastic import apply_dropout_knobs
 from dsrl.distributed.ports import free_port
 from dsrl.loss.registry import ObjectiveSpec
 from dsrl.loss.types import Aggregator, LossInputs, LossOutput
@@ -82,13 +83,9 @@ class ActorEngine:
         self.zero_stage = int(zero_stage)
         self._open_accumulation = False  # a backward ran with is_last=False since the last step
         hf_config = AutoConfig.from_pretrained(model_path)
-        # Dropout must be set on the config: a non-zero value makes the two forwards differ.
-        for key in ("attention_dropout",):
-            if hasattr(hf_config, key):
-                setattr(hf_config, key, float(attention_dropout))
-        for key in ("hidden_dropout", "resid_pdrop", "embd_pdrop", "dropout"):
-            if hasattr(hf_config, key):
-                setattr(hf_config, key, float(hidden_dropout))
+        # dsrl's two dropout knobs go onto the HF fields of the same name and nothing else; the
+        # model's other dropout/noise fields stay as its config says (the reuse decision names them).
+        apply_dropout_knobs(hf_config, attention_dropout=attention_dropout, hidden_dropout=hidden_dropout)
         ds_config = build_ds_config(zero_stage, micro_batch_size, dtype=dtype,
                                     grad_clip=grad_clip if trainable else 0.0,
                                     persistence_threshold=persistence_threshold)
@@ -127,8 +124,8 @@ class ActorEngine:
                 p.requires_grad_(False)
             self.engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config)
             self.optimizer = None
-        # HF train() mode enables dropout modules; with all p=0 they are identities, which the
-        # reuse validator guarantees before any model is built.
+        # HF train() mode enables dropout modules; under reuse every one has p=0, which
+        # dsrl.config.reuse.reuse_for_model checks on this module before training starts.
 
     # ------------------------------------------------------------------ forward
     @property

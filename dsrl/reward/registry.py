@@ -2,7 +2,11 @@
 
     fn(completion_text: str, prompt: Prompt) -> float
 
-and each prompt source names its default verifier (`source.default_verifier`)."""
+and each prompt source names its default verifier (`source.default_verifier`); config key
+`data.verifier` overrides it. A name is a registered verifier or a dotted path to a function.
+
+The built-in verifiers register themselves when the package `dsrl.reward` is imported (its
+__init__ imports them); this module imports none of them."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
@@ -11,30 +15,34 @@ from dsrl.registry import Registry
 
 Verifier = Callable[[str, Any], float]
 
-VERIFIERS = Registry("verifier")
+def _as_verifier(obj: Any, path: str) -> Verifier:
+    if not callable(obj):
+        raise TypeError("a verifier must be a function fn(completion_text, prompt) -> float")
+    return obj
+
+
+VERIFIERS = Registry("verifier", wrap=_as_verifier)
 register_verifier = VERIFIERS.register
 
 
-def _load_builtins() -> None:
-    import dsrl.reward.verifiers  # noqa: F401
-
-
 def verifier_names() -> list[str]:
-    _load_builtins()
     return sorted(VERIFIERS)
 
 
-def get_verifier(name: str) -> Verifier:
-    _load_builtins()
-    return VERIFIERS.get_or_raise(name)
+def get_verifier(name: str, key: str = "data.verifier") -> Verifier:
+    """A registered verifier, or a function loaded from a dotted path; errors name `key`."""
+    return VERIFIERS.resolve(name, key)
 
 
 def verifier_for_source(source: Any, override: Optional[str] = None) -> Verifier:
-    """The verifier named by `override`, else the source's `default_verifier`."""
-    name = override or getattr(source, "default_verifier", None)
+    """The verifier named by `override` (config key data.verifier), else the source's
+    `default_verifier`."""
+    if override:
+        return get_verifier(override, "data.verifier")
+    name = getattr(source, "default_verifier", None)
     if not name:
-        raise ValueError(f"prompt source {source!r} names no default verifier")
-    return get_verifier(name)
+        raise ValueError(f"prompt source {source!r} names no default verifier; set data.verifier")
+    return get_verifier(name, f"{type(source).__name__}.default_verifier")
 
 
 def score(fn: Verifier, completions: Sequence[str], prompts: Sequence[Any]) -> list[float]:

@@ -15,6 +15,9 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from dsrl.hardware import cpu_core_range
+from dsrl.tracking.progress import progress
+
 
 @dataclass
 class Completion:
@@ -47,13 +50,9 @@ def reload_and_retie(worker, weights_path: str) -> int:
 
 def _cpu_env(kv_cache_gib: int, local_rank: int, local_world: int) -> dict:
     """vLLM-CPU settings read by the engine process at start-up."""
-    ncpu = os.cpu_count() or 1
-    per = max(1, ncpu // max(local_world, 1))
-    lo = (local_rank * per) % ncpu
-    cores = f"{lo}-{lo + per - 1}" if per > 1 else f"{lo}"
     return {
         "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
-        "VLLM_CPU_OMP_THREADS_BIND": cores,
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_core_range(os.cpu_count() or 1, local_rank, local_world),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
     }
@@ -61,6 +60,14 @@ def _cpu_env(kv_cache_gib: int, local_rank: int, local_world: int) -> dict:
 
 # collective_rpc may carry a function (reload_and_retie) only with this set.
 _RPC_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def _generation_bar(iterable=None, **kwargs):
+    """Passed to vLLM as `use_tqdm`: its "Processed prompts" pass becomes dsrl's single
+    "generate" bar; its prompt-rendering pass (over `iterable`) gets none."""
+    if iterable is not None:
+        return iterable
+    return progress(total=kwargs.get("total"), desc="generate", unit="sample", leave=False)
 
 
 class VLLMWorker:
@@ -78,7 +85,7 @@ class VLLMWorker:
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
                        logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                       disable_log_stats=True)
+                       disable_log_stats=True, use_tqdm_on_load=False)
         self.start_seconds = time.time() - t0
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
@@ -90,7 +97,7 @@ class VLLMWorker:
         params = SamplingParams(n=n, temperature=temperature, top_p=1.0 if greedy else top_p,
                                 max_tokens=max_tokens, logprobs=None if greedy else 0)
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params,
-                                 use_tqdm=show_progress)
+                                 use_tqdm=_generation_bar if show_progress else False)
         result = []
         for out in outs:
             group = []

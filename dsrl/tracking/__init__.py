@@ -1,11 +1,13 @@
-"""Run tracking: rank-0 progress bars, metrics (jsonl + TensorBoard), phase timers, plots."""
+"""Run tracking: the console (dsrl lines + library warnings; the rest to run.log), rank-0
+progress bars, metrics (jsonl + TensorBoard + W&B), phase timers, plots."""
 
+from dsrl.tracking.console import setup_console
 from dsrl.tracking.metrics import MetricsLogger, format_summary
 from dsrl.tracking.progress import microbatch_bar, microbatch_desc, progress
 from dsrl.tracking.timer import PhaseTimer
 
 __all__ = ["MetricsLogger", "format_summary", "microbatch_bar", "microbatch_desc", "progress",
-           "PhaseTimer", "plot_run"]
+           "PhaseTimer", "plot_run", "setup_console"]
 
 
 def __getattr__(name):  # matplotlib is imported only when plotting is used

@@ -1,4 +1,4 @@
-"""Per-step metrics: ``metrics.jsonl``, TensorBoard scalars, in-memory history.
+"""Per-step metrics: ``metrics.jsonl``, TensorBoard scalars, W&B (optional), in-memory history.
 
 Only the main rank (global rank 0) writes anything. On every other rank a
 ``MetricsLogger`` is a no-op: no directory, no file, no TensorBoard writer,
@@ -11,7 +11,9 @@ a float; NaN and +/-inf are written as ``null`` (strict JSON) with a warning.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import numbers
 import os
@@ -23,17 +25,27 @@ from dsrl.distributed.ranks import is_main_rank
 
 __all__ = ["MetricsLogger", "format_summary", "SUMMARY_KEYS"]
 
-# (key, label, unit) shown by ``summary_line``, in this order, when present.
+log = logging.getLogger("dsrl")
+
+# (key, label, unit) shown by ``summary_line``, in this order, when present: the reward, the
+# key training metrics, then the time of each phase (a skipped phase, 0.0 s, is left out).
 SUMMARY_KEYS: Sequence[tuple[str, str, str]] = (
     ("reward/mean", "reward", ""),
     ("eval/accuracy", "eval_acc", ""),
-    ("response_length/mean", "resp_len", ""),
+    ("rollout/response_length", "resp_len", ""),
     ("train/loss", "loss", ""),
-    ("train/grad_norm", "grad_norm", ""),
-    ("train/kl", "kl", ""),
+    ("train/pg_clipfrac", "clipfrac", ""),
+    ("train/ppo_kl", "ppo_kl", ""),
+    ("train/kl_loss", "kl_loss", ""),
     ("train/entropy", "entropy", ""),
-    ("train/clip_frac", "clip_frac", ""),
+    ("train/grad_norm", "grad_norm", ""),
     ("rollout/logprob_diff", "lp_diff", ""),
+    ("timing/rollout", "rollout", "s"),
+    ("timing/old_logprobs", "old_lp", "s"),
+    ("timing/ref_logprobs", "ref_lp", "s"),
+    ("timing/teacher_logprobs", "teacher_lp", "s"),
+    ("timing/train", "train", "s"),
+    ("timing/weight_sync", "sync", "s"),
     ("timing/step", "step_time", "s"),
 )
 
@@ -75,14 +87,18 @@ def format_summary(
     metrics: Mapping[str, Optional[float]],
     keys: Optional[Iterable[tuple[str, str, str]]] = None,
 ) -> str:
-    """One compact line, e.g. ``step 12 | reward 0.431 | grad_norm 0.87 | step_time 3.21s``.
+    """One compact line, e.g. ``step 12 | reward 0.431 | grad_norm 0.87 | rollout 1.2s | step_time 3.21s``.
 
-    Only keys present in ``metrics`` are shown; missing ones are skipped.
+    Only keys present in ``metrics`` are shown; missing ones are skipped, and so are phase
+    timings of exactly 0.0 s (a pass that was skipped, e.g. the old-policy pass under reuse).
     """
     parts = [f"step {int(step)}"]
     for key, label, unit in (SUMMARY_KEYS if keys is None else keys):
-        if key in metrics:
-            parts.append(f"{label} {_fmt_value(metrics[key], unit)}")
+        if key not in metrics:
+            continue
+        if key.startswith("timing/") and key != "timing/step" and metrics[key] == 0.0:
+            continue  # a phase that did not run this step
+        parts.append(f"{label} {_fmt_value(metrics[key], unit)}")
     return " | ".join(parts)
 
 
@@ -93,13 +109,21 @@ class MetricsLogger:
         *,
         tensorboard: bool = True,
         enabled: Optional[bool] = None,
+        wandb: bool = False,
+        wandb_project: str = "dsrl",
+        wandb_mode: str = "auto",
+        config: Optional[Mapping[str, Any]] = None,
+        name: Optional[str] = None,
+        quiet: bool = True,
     ) -> None:
-        """``enabled`` defaults to ``is_main_rank()`` evaluated now."""
+        """``enabled`` defaults to ``is_main_rank()`` evaluated now. With ``wandb`` the same
+        scalars also go to a W&B run (files under ``<run_dir>/wandb``, ``config`` attached)."""
         self.run_dir = Path(run_dir)
         self.enabled = is_main_rank() if enabled is None else bool(enabled)
         self.history: List[Dict[str, Any]] = []
         self._file = None
         self._writer = None
+        self.wandb = None
         self._closed = False
         if not self.enabled:
             return
@@ -109,6 +133,20 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
+        if wandb:
+            from dsrl.tracking.wandb_sink import WandbSink
+
+            self.wandb = WandbSink(self.run_dir, project=wandb_project, mode=wandb_mode, config=config,
+                                   name=name, quiet=quiet)
+            log.info("W&B: %s run in %s (%s)", self.wandb.mode, self.wandb.run_dir, self.wandb.reason)
+
+    @classmethod
+    def from_config(cls, run_dir: "str | os.PathLike[str]", cfg: Any) -> "MetricsLogger":
+        """Built from a typed dsrl ``Config`` (its ``logger`` section; the whole config goes to W&B)."""
+        lg = cfg.logger
+        return cls(run_dir, tensorboard=lg.tensorboard, wandb=lg.wandb, wandb_project=lg.wandb_project,
+                   wandb_mode=lg.wandb_mode, config=dataclasses.asdict(cfg) if lg.wandb else None,
+                   name=getattr(cfg, "name", None), quiet=not lg.verbose)
 
     @property
     def metrics_path(self) -> Path:
@@ -155,6 +193,8 @@ class MetricsLogger:
             for key, val in scalars.items():
                 self._writer.add_scalar(key, val, global_step=step)
             self._writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(step, scalars)
         self.history.append(record)
         return record
 
@@ -169,6 +209,9 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
         if self._file is not None:
             self._file.close()
             self._file = None

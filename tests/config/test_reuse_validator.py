@@ -25,7 +25,6 @@ INCOMPATIBLE = [
     ("algo.use_opd", {"algo": {"use_opd": True}}),
     ("algo.num_steps_per_rollout", {"algo": {"num_steps_per_rollout": 2}}),
     ("algo.global_batch_size", {"algo": {"global_batch_size": 32}}),
-    ("algo.policy_loss", {"algo": {"policy_loss": "sft"}}),
     ("trainer.before_train_step_hooks", {"trainer": {"before_train_step_hooks": ["my.hooks.replay"]}}),
 ]
 
@@ -42,14 +41,39 @@ def test_each_incompatible_option_is_rejected_by_name(name, over):
 
 
 def test_all_blockers_named_in_one_error():
-    merged = {}
+    merged = {"algo": {"policy_loss": "sft"}}
     for _, over in INCOMPATIBLE:
         for section, kw in over.items():
             merged.setdefault(section, {}).update(kw)
     with pytest.raises(ConfigError) as e:
         validate_reuse(make(merged))
-    for name, _ in INCOMPATIBLE:
+    for name, _ in INCOMPATIBLE + [("algo.policy_loss", None)]:
         assert name in str(e.value)
+
+
+@pytest.mark.parametrize("objective", ["sft", "tinker:importance_sampling"])
+def test_objective_without_old_log_probs_has_nothing_to_reuse(objective):
+    """The registry flag, not the name, decides: `on` is an error naming algo.policy_loss and
+    why; `auto` and `off` reuse nothing and run no old-policy pass."""
+    from dsrl.loss.registry import get_objective
+
+    assert not get_objective(objective).needs_old_log_probs
+    over = {"algo": {"policy_loss": objective}}
+    with pytest.raises(ConfigError) as e:
+        validate_reuse(make(over))
+    assert "algo.policy_loss" in str(e.value) and "reads no old-policy log-probs" in str(e.value)
+    assert reuse_blockers(make(over)) == ["algo.policy_loss"]
+    for mode in ("auto", "off"):
+        for rollout_lp, tis in ((False, False), (True, False), (False, True)):
+            d = decide_reuse(make({"algo": {"policy_loss": objective, "use_rollout_logprobs": rollout_lp,
+                                             "use_tis": tis}}, reuse=mode))
+            assert not d.reuse and not d.run_old_pass, (mode, rollout_lp, tis)
+
+
+@pytest.mark.parametrize("objective", ["ppo", "gspo", "cispo"])
+def test_objectives_reading_old_log_probs_are_not_blockers(objective):
+    assert reuse_blockers(make({"algo": {"policy_loss": objective}})) == []
+    assert decide_reuse(make({"algo": {"policy_loss": objective}}, reuse="off")).run_old_pass
 
 
 COMPATIBLE_KNOBS = {

@@ -1,0 +1,95 @@
+"""Weights & Biases as a second home for the step metrics (rank 0 only, through wandb's library).
+
+Mode ``auto`` goes online only when an API key is configured and the W&B host answers within a
+few seconds; otherwise the run is written offline under ``<run_dir>/wandb`` (``wandb sync``
+uploads it later). No network call is made when no key is configured, so nothing hangs offline.
+"""
+from __future__ import annotations
+
+import netrc
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import Any, Mapping, Optional
+from urllib.parse import urlsplit
+
+__all__ = ["WandbSink", "resolve_wandb_mode", "wandb_api_key_configured", "wandb_host_reachable"]
+
+DEFAULT_BASE_URL = "https://api.wandb.ai"
+MODES = ("auto", "online", "offline")
+
+
+def _base_url() -> str:
+    return os.environ.get("WANDB_BASE_URL") or DEFAULT_BASE_URL
+
+
+def wandb_api_key_configured(base_url: Optional[str] = None) -> bool:
+    """A key in the environment, or a .netrc entry for the W&B host (what `wandb login` writes)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(base_url or _base_url()).hostname or ""
+    path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_host_reachable(base_url: Optional[str] = None, timeout: float = 3.0) -> bool:
+    """A TCP connection to the W&B host within `timeout` seconds (DNS included: a thread, so a
+    resolver that hangs cannot hold the run)."""
+    parts = urlsplit(base_url or _base_url())
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    ok = []
+
+    def attempt():
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                ok.append(True)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=attempt, daemon=True, name="wandb-reachability")
+    t.start()
+    t.join(timeout)
+    return bool(ok)
+
+
+def resolve_wandb_mode(mode: str, *, timeout: float = 3.0) -> tuple[str, str]:
+    """(online | offline, why)."""
+    if mode not in MODES:
+        raise ValueError(f"logger.wandb_mode={mode!r} is not one of {list(MODES)}")
+    if mode != "auto":
+        return mode, "set in config"
+    if not wandb_api_key_configured():
+        return "offline", "no W&B API key configured (WANDB_API_KEY or `wandb login`)"
+    if not wandb_host_reachable(timeout=timeout):
+        return "offline", f"W&B host {_base_url()} not reachable"
+    return "online", "API key configured and W&B host reachable"
+
+
+class WandbSink:
+    """One W&B run: config attached at start, one `log` per step, `close` finishes it."""
+
+    def __init__(self, run_dir: "str | os.PathLike[str]", *, project: str, mode: str = "auto",
+                 config: Optional[Mapping[str, Any]] = None, name: Optional[str] = None, quiet: bool = True):
+        import wandb
+
+        self.mode, self.reason = resolve_wandb_mode(mode)
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # console="off": wandb must not wrap stdout/stderr (the console belongs to dsrl's logging).
+        settings = wandb.Settings(console="off", silent=quiet, quiet=quiet)
+        self.run = wandb.init(project=project, mode=self.mode, dir=str(run_dir), config=dict(config or {}),
+                              name=name, settings=settings, reinit="create_new")
+        self.run_dir = Path(self.run.dir).parent  # <run_dir>/wandb/<offline-run-...>
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        self.run.log(dict(scalars), step=int(step))
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
