@@ -22,8 +22,9 @@ class PluginError(KeyError, ValueError):
 
 
 def is_dotted_path(name: Any) -> bool:
-    """A name that is meant as an import path rather than a registry key: it contains a dot."""
-    return isinstance(name, str) and "." in name
+    """A name meant as an import path rather than a registry key: `pkg.mod.attr` or `mod:attr`
+    (registered names are looked up first, so a registered `tinker:ppo` never gets here)."""
+    return isinstance(name, str) and ("." in name or ":" in name)
 
 
 class Registry(dict):
