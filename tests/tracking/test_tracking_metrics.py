@@ -99,15 +99,24 @@ def test_explicit_disable_on_rank0(tmp_path, monkeypatch):
 
 
 def test_summary_line():
+    # the names the trainer logs; a phase that did not run (0.0 s) is left out
     line = format_summary(12, {
         "reward/mean": 0.4312,
         "timing/step": 3.214,
+        "timing/rollout": 1.5,
+        "timing/old_logprobs": 0.0,
+        "timing/train": 1.25,
+        "timing/weight_sync": 0.2,
         "rollout/logprob_diff": 1.2e-5,
+        "rollout/response_length": 9.5,
         "train/grad_norm": 0.8731,
-        "train/kl": None,
+        "train/pg_clipfrac": 0.0,
+        "train/ppo_kl": None,
+        "train/entropy": 2.5,
         "unlisted/metric": 7.0,
     })
-    assert line == ("step 12 | reward 0.4312 | grad_norm 0.8731 | kl nan | lp_diff 1.20e-05 "
+    assert line == ("step 12 | reward 0.4312 | resp_len 9.5 | clipfrac 0 | ppo_kl nan | entropy 2.5 "
+                    "| grad_norm 0.8731 | lp_diff 1.20e-05 | rollout 1.5s | train 1.25s | sync 0.2s "
                     "| step_time 3.214s")
     assert "\n" not in line
     assert format_summary(0, {}) == "step 0"

@@ -101,7 +101,7 @@ def test_offline_run_holds_logged_values_and_config(tmp_path, monkeypatch):
             else:
                 assert row[key] == value, (step, key)
     config = _config(records)
-    assert config["algo"]["value"] == cfg["algo"] and config["name"]["value"] == "t"
+    assert config["algo"] == cfg["algo"] and config["name"] == "t"
     # jsonl is still written alongside
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
 
@@ -122,7 +122,7 @@ def test_from_config_passes_logger_settings(tmp_path):
         log.log(1, {"reward/mean": 1.0})
     records = read_wandb_records(next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")))
     assert _history(records)[0]["reward/mean"] == 1.0
-    assert _config(records)["logger"]["value"]["wandb_mode"] == "offline"
+    assert _config(records)["logger"]["wandb_mode"] == "offline"
 
 
 def test_disabled_rank_starts_no_wandb_run(tmp_path):

@@ -5,7 +5,8 @@ the rollout worker is a fake (it hands back these samples and records weight pus
 Optimizer: AdamW's first step moves each weight by -lr * g / (|g| + eps). With the usual tiny
 eps that is ~ -lr * sign(g): two different gradients (even a uniformly rescaled one) would give
 nearly the same update, and a test comparing updates could not fail. With eps >> |g| the step is
-~ -lr * g / eps, linear in the gradient, so comparing parameter updates compares gradients.
+~ -lr * g / eps, linear in the gradient, so comparing parameter updates compares gradients
+(`reference_update` uses the exact formula, so it holds for any |g|).
 """
 from __future__ import annotations
 
@@ -142,7 +143,8 @@ class FakeWorker:
 
 
 class FakeSource:
-    """PROMPTS[0..n) in order; the answer "1.0" makes the reward the sample's text."""
+    """PROMPTS[0..n) in order, answer "1.0": the verifier (text == answer) turns each sample's
+    text "1.0"/"0.0" back into its reward."""
 
     def sample_train(self, n, rng):
         return [user_prompt(PROMPTS[i], "1.0") for i in range(n)]

@@ -16,6 +16,9 @@ from _real_engine import (MAX_NEW_TOKENS, assert_params_equal, build_engine, grp
                           make_samples, make_trainer, max_abs_diff, params, plain_model, reference_update,
                           response_log_probs, score_samples, update, with_rollout_log_probs)
 
+# ~25 s together on a quiet machine (each test a few seconds; ~90 s when the 2 cores are shared).
+pytestmark = pytest.mark.slow
+
 # Three groups of three; the last has equal rewards (all-zero GRPO advantages).
 REWARDS = [[1, 0, 0], [1, 1, 0], [0, 0, 0]]
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "sum")
