@@ -21,20 +21,46 @@ from typing import IO, Dict, Iterator, Optional
 from tqdm import tqdm
 
 __all__ = ["setup_console", "adopt_library_loggers", "prints_to_log", "ConsoleFilter", "ConsoleHandler",
-           "ConsoleFormatter", "vllm_logging_config"]
+           "ConsoleFormatter", "vllm_logging_config", "KNOWN_NOISE"]
 
 DSRL = "dsrl"
 FILE_FORMAT = "%(asctime)s %(levelname)s %(processName)s[%(process)d] %(name)s: %(message)s"
-_MARK = "_dsrl_console"  # attribute set on the handlers installed here (re-running replaces them)
+
+
+# Library warnings that dsrl causes on purpose or that no user can act on: log files only
+# (shown with verbose). Matched as substrings of the message; never applied to errors.
+KNOWN_NOISE = (
+    "Allowing insecure serialization",  # dsrl sends its weight-reload function through collective_rpc
+    "Enforce eager set, disabling",  # rollout.enforce_eager, decided (and logged) by dsrl.hardware
+    "Inductor compilation was disabled by user settings",  # same
+    "VLLM_CPU_NUM_OF_RESERVED_CPU is less than",  # no core reserved: the trainer waits while vLLM generates
+    "is set; leaving Torch threads at",  # dsrl budgets the threads (actor.num_threads, vLLM core binding)
+    "with dtype torch.float32 into parameter with dtype torch.bfloat16",  # fp32 checkpoint, bf16 engine
+    "Triton is installed, but doesn't include CPU backend",  # CPU build without triton-cpu: harmless
+    "Triton is not installed. triton-cpu is expected",  # same
+    "Model Runner V2 requires Triton",  # same
+    "Reset SSM cache type",  # Mamba-only setting
+    "RotaryEmbedding: Failed to load weights",  # has no weights; reload_weights reports it on every push
+    "ParallelLMHead: Failed to load weights",  # tied head: dsrl re-ties it after each push (reload_and_retie)
+)
 
 
 def _is_dsrl(name: str) -> bool:
     return name == DSRL or name.startswith(DSRL + ".")
 
 
+def _known_noise(record: logging.LogRecord) -> bool:
+    try:
+        text = record.getMessage()
+    except Exception:  # a record with bad arguments is not noise we know
+        return False
+    return any(marker in text for marker in KNOWN_NOISE)
+
+
 class ConsoleFilter(logging.Filter):
     """dsrl at INFO+, libraries at WARNING+ (INFO+ when verbose). Below ERROR, a library's
-    warning is shown once per call site and message template (repeats stay in the log files)."""
+    warning is shown once per call site and message template (repeats stay in the log files),
+    and not at all when it is in KNOWN_NOISE."""
 
     def __init__(self, verbose: bool = False):
         super().__init__()
@@ -48,6 +74,8 @@ class ConsoleFilter(logging.Filter):
             return False
         if self.verbose or record.levelno >= logging.ERROR:
             return True
+        if _known_noise(record):
+            return False
         site = (record.name, record.pathname, record.lineno, str(record.msg))
         if site in self._seen:
             return False
@@ -59,14 +87,13 @@ class ConsoleFormatter(logging.Formatter):
     """``12:03:41 step 3 | reward ...`` for dsrl's INFO lines; level and source for the rest."""
 
     def __init__(self):
-        super().__init__(datefmt="%H:%M:%S")
+        super().__init__()
+        self.plain = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
+        self.tagged = logging.Formatter("%(asctime)s %(levelname)s [%(name)s] %(message)s", datefmt="%H:%M:%S")
 
     def format(self, record: logging.LogRecord) -> str:
-        if _is_dsrl(record.name) and record.levelno == logging.INFO:
-            self._style._fmt = "%(asctime)s %(message)s"
-        else:
-            self._style._fmt = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
-        return super().format(record)
+        plain = _is_dsrl(record.name) and record.levelno == logging.INFO
+        return (self.plain if plain else self.tagged).format(record)
 
 
 class ConsoleHandler(logging.Handler):
@@ -209,14 +236,15 @@ def setup_console(run_dir: "str | os.PathLike[str]", verbose: bool = False, *, r
     for h in list(root.handlers):  # Hydra's console + <job>.log handlers, or ours from a previous call
         root.removeHandler(h)
         h.close()
+        old = getattr(h, "baseFilename", None)  # Hydra's <job>.log would stay empty: run.log replaces it
+        if old and Path(old) != paths["run_log"] and os.path.isfile(old) and os.path.getsize(old) == 0:
+            os.remove(old)
     console = ConsoleHandler(stream)
     console.setFormatter(ConsoleFormatter())
     console.addFilter(ConsoleFilter(verbose))
-    setattr(console, _MARK, True)
     logfile = logging.FileHandler(paths["run_log"], mode="a", encoding="utf-8")
     logfile.setFormatter(logging.Formatter(FILE_FORMAT))
     logfile.setLevel(logging.INFO)
-    setattr(logfile, _MARK, True)
     root.addHandler(console)
     root.addHandler(logfile)
     root.setLevel(logging.INFO)

@@ -82,6 +82,10 @@ class WandbSink:
         run_dir.mkdir(parents=True, exist_ok=True)
         # console="off": wandb must not wrap stdout/stderr (the console belongs to dsrl's logging).
         settings = wandb.Settings(console="off", silent=quiet, quiet=quiet)
+        # dsrl makes no LLM-API calls to trace: no Weave auto-init (nor its advert when vLLM
+        # imports openai). wandb prints its own notices per setup, so quiet goes there as well.
+        os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
+        wandb.setup(settings=wandb.Settings(silent=quiet, quiet=quiet))
         self.run = wandb.init(project=project, mode=self.mode, dir=str(run_dir), config=dict(config or {}),
                               name=name, settings=settings, reinit="create_new")
         self.run_dir = Path(self.run.dir).parent  # <run_dir>/wandb/<offline-run-...>

@@ -123,7 +123,8 @@ def test_probe_parses_cpuinfo(tmp_path):
 def test_probe_of_this_machine_matches_proc_cpuinfo():
     if not os.path.exists("/proc/cpuinfo"):
         pytest.skip("no /proc/cpuinfo")
-    text = open("/proc/cpuinfo").read()
+    with open("/proc/cpuinfo") as f:
+        text = f.read()
     native = bool(re.search(r"^flags\s*:.*\b(amx_bf16|avx512_bf16)\b", text, re.M))
     m = hardware.probe()
     assert hardware.cpu_has_native_bf16(m) == native

@@ -85,6 +85,19 @@ def test_repeated_library_warning_shown_once_but_logged_every_time(tmp_path, fre
     assert "another warning" in shown and shown.count("an error") == 2
 
 
+@pytest.mark.parametrize("verbose", [False, True])
+def test_known_noise_stays_in_the_log(tmp_path, fresh_logging, verbose):
+    out, paths = _setup(tmp_path, verbose=verbose)
+    lib = logging.getLogger("vllm_like.serial_utils")
+    lib.warning("Allowing insecure serialization using pickle due to VLLM_ALLOW_INSECURE_SERIALIZATION=1")
+    lib.error("Allowing insecure serialization failed badly")  # an error is never noise
+    _flush()
+    shown = out.getvalue()
+    assert ("using pickle" in shown) == verbose
+    assert "failed badly" in shown
+    assert "using pickle" in paths["run_log"].read_text()
+
+
 def test_python_warnings_are_routed(tmp_path, fresh_logging):
     out, paths = _setup(tmp_path)
     with warnings.catch_warnings():
@@ -128,11 +141,18 @@ def test_prints_go_to_run_log(tmp_path, fresh_logging, capsys):
 
 def test_setup_is_idempotent_and_replaces_hydra_handlers(tmp_path, fresh_logging):
     hydra_like = logging.StreamHandler(io.StringIO())
-    logging.getLogger().addHandler(hydra_like)
+    hydra_file = logging.FileHandler(tmp_path / "main.log")  # Hydra's <job>.log, still empty
+    kept = tmp_path / "kept.log"
+    kept_file = logging.FileHandler(kept)
+    kept_file.stream.write("user data\n")
+    for h in (hydra_like, hydra_file, kept_file):
+        logging.getLogger().addHandler(h)
     _setup(tmp_path)
-    out, _ = _setup(tmp_path)
+    out, paths = _setup(tmp_path)
     root = logging.getLogger()
     assert hydra_like not in root.handlers and len(root.handlers) == 2
+    assert not (tmp_path / "main.log").exists() and kept.read_text() == "user data\n"
+    assert paths["run_log"].exists()
     logging.getLogger("dsrl").info("once")
     assert out.getvalue().count("once") == 1
 
