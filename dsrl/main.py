@@ -5,8 +5,10 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
 
 import hydra
@@ -53,17 +55,46 @@ def _has_cuda() -> bool:
 
 
 def run(cfg_node: DictConfig, run_dir: str) -> dict:
-    """Validate, build every component, train. Returns the run summary."""
-    trainer = build(cfg_node, run_dir)
+    """Validate, build every component, train. Returns the run summary. SIGTERM/SIGINT stop the
+    run after the current step with a checkpoint (a second signal stops it at once); the rollout
+    engines are stopped however the run ends (the reaper covers SIGKILL)."""
+    from dsrl.distributed.reaper import Reaper
+
+    reaper = Reaper.start()
     try:
-        return trainer.fit()
+        trainer = build(cfg_node, run_dir)
+        try:
+            with _stop_on_signals(trainer):
+                return trainer.fit()
+        finally:
+            trainer.worker.close()
     finally:
-        trainer.worker.close()
+        reaper.close()
+
+
+@contextlib.contextmanager
+def _stop_on_signals(trainer):
+    """First SIGTERM/SIGINT: finish the step, checkpoint, stop (trainer.fit raises RunStopped).
+    Second: stop now (SystemExit; the caller's finally blocks still stop the engines)."""
+    def handler(signum, frame):
+        if trainer.stop_signal is None:
+            trainer.stop_signal = signum
+            log.warning("%s: stopping after this step with a checkpoint (send it again to stop now)",
+                        signal.Signals(signum).name)
+            return
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def build(cfg_node: DictConfig, run_dir: str):
     """Validate the config (before anything heavy), then build the components into a Trainer."""
-    from dsrl.config.reuse import ConfigError, decide_reuse, reuse_for_model, reuse_for_model_config
+    from dsrl.config.reuse import decide_reuse, reuse_for_model_config
     from dsrl.config.schema import to_config
     from dsrl.config.validate import validate
 
@@ -75,8 +106,8 @@ def build(cfg_node: DictConfig, run_dir: str):
     import torch
     from transformers import AutoTokenizer
 
-    from dsrl.actor.engine import ActorEngine, init_distributed
-    from dsrl.data.chat import apply_chat_template
+    from dsrl.actor.engine import init_distributed
+    from dsrl.data.lengths import check_prompt_lengths
     from dsrl.data.registry import build_source
     from dsrl.distributed.ranks import global_rank, is_main_rank, local_rank, world_size
     from dsrl.hardware import local_world_size
@@ -84,30 +115,49 @@ def build(cfg_node: DictConfig, run_dir: str):
     from dsrl.rollout.vllm_worker import VLLMWorker
     from dsrl.setup_assets import default_cache_dir, resolve_model_path
     from dsrl.tracking.console import prints_to_log
-    from dsrl.trainer import Trainer
 
     cache = str(default_cache_dir())
     _configure_env(cache)
     model_path = resolve_model_path(cfg.model.path, cache)
     decision = reuse_for_model_config(decision, cfg, model_path)  # HF config fields; still no model loaded
     source = build_source(cfg.data)
-    verifier = verifier_for_source(source, cfg.data.verifier)
+    verifier = verifier_for_source(source, cfg.reward.fn)
 
     with prints_to_log("DeepSpeed", verbose=cfg.logger.verbose):  # its op-loading notices go to run.log
         init_distributed()
     torch.manual_seed(cfg.trainer.seed)
     local_world = local_world_size(world_size())
     torch.set_num_threads(cfg.actor.num_threads)  # resolved by dsrl.hardware
+    resume_point = _resume_point(cfg, run_dir)  # a config that breaks exact resume fails here
     if is_main_rank():
         OmegaConf.save(cfg_node, os.path.join(run_dir, "config.yaml"), resolve=True)
         log.info("run dir: %s | ranks: %d | model: %s", run_dir, world_size(), model_path)
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    check_prompt_lengths(source, tokenizer, cfg)  # over-long prompts: named error or skipped, before any engine
     worker = VLLMWorker(model_path, dtype=cfg.rollout.dtype, seed=cfg.rollout.seed + 1000 * global_rank(),
                         max_model_len=cfg.rollout.max_model_len, kv_cache_gib=cfg.rollout.kv_cache_gib,
                         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                         enforce_eager=cfg.rollout.enforce_eager, local_rank=local_rank(), local_world=local_world,
                         weights_dir=os.path.join(run_dir, ".weights", f"rank{global_rank()}"))
+    try:
+        trainer = _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir)
+        if resume_point is not None:
+            trainer.restore(resume_point)
+        return trainer
+    except BaseException:
+        worker.close()  # the engine processes must not outlive a failed build
+        raise
+
+
+def _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir):
+    """The DeepSpeed engines (actor; reference and teacher when needed) and the Trainer."""
+    from dsrl.actor.engine import ActorEngine
+    from dsrl.config.reuse import reuse_for_model
+    from dsrl.data.chat import apply_chat_template
+    from dsrl.setup_assets import resolve_model_path
+    from dsrl.trainer import Trainer
+
     a, ac, m = cfg.algo, cfg.actor, cfg.model
     common = dict(zero_stage=ac.zero_stage, dtype=m.dtype, attn_implementation=m.attn_implementation,
                   attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
@@ -115,11 +165,7 @@ def build(cfg_node: DictConfig, run_dir: str):
     actor = ActorEngine(model_path, trainable=True, lr=ac.lr, betas=ac.betas, eps=ac.eps,
                         weight_decay=ac.weight_decay, grad_clip=ac.grad_clip, micro_batch_size=ac.micro_batch_size,
                         gradient_checkpointing=ac.gradient_checkpointing, **common)
-    try:
-        decision = reuse_for_model(decision, cfg, actor.module)  # the built modules, before training
-    except ConfigError:
-        worker.close()
-        raise
+    decision = reuse_for_model(decision, cfg, actor.module)  # the built modules, before training
     needs_ref = a.kl_coef != 0 or a.use_kl_loss
     ref = ActorEngine(model_path, trainable=False, role="ref", micro_batch_size=ac.forward_micro_batch_size,
                       **common) if needs_ref else None
@@ -133,12 +179,34 @@ def build(cfg_node: DictConfig, run_dir: str):
                    verifier=verifier, prompt_ids_fn=prompt_ids, decision=decision, run_dir=run_dir)
 
 
+def _resume_point(cfg, run_dir: str):
+    """The checkpoint folder to continue from (None: start fresh). Checked against the config
+    before any model loads: a change that breaks exact resume is a ConfigError naming the keys."""
+    from dsrl.checkpoint import check_resume_compatible, find_latest, read_shared_state
+
+    if cfg.trainer.resume == "off":
+        return None
+    source = cfg.trainer.resume_from or run_dir
+    if cfg.trainer.resume_from and not os.path.isdir(source):
+        from dsrl.config.reuse import ConfigError
+
+        raise ConfigError(f"trainer.resume_from={source!r}: no such run folder")
+    folder = find_latest(source)
+    if folder is None:
+        if cfg.trainer.resume_from:
+            log.warning("trainer.resume_from=%s holds no complete checkpoint: starting fresh", source)
+        return None
+    shared = read_shared_state(folder)
+    check_resume_compatible(shared["config"], shared["world_size"], cfg, folder)
+    return folder
+
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from dsrl.config.reuse import ConfigError
     from dsrl.tracking.console import setup_console
+    from dsrl.trainer import RunStopped
 
     run_dir = HydraConfig.get().runtime.output_dir
     setup_console(run_dir, verbose=bool(OmegaConf.select(cfg, "logger.verbose", default=False)))
@@ -147,6 +215,11 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as e:
         print(f"dsrl: {e}", file=sys.stderr)
         sys.exit(2)
+    except RunStopped as e:
+        print(f"dsrl: stopped by {signal.Signals(e.signum).name} after step {e.step}; "
+              f"checkpoint: {e.checkpoint} (resume: trainer.resume_from={os.path.dirname(os.path.dirname(e.checkpoint))})",
+              file=sys.stderr)
+        sys.exit(128 + e.signum)
     from dsrl.distributed.ranks import is_main_rank
 
     if is_main_rank():

@@ -9,11 +9,13 @@ import logging
 import os
 import random
 import time
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
+from dsrl.checkpoint import (config_record, load_rank_state, read_shared_state, restore_rng,
+                             save_checkpoint)
 from dsrl.actor.batch import Sample, empty_microbatch, masked_rows
 from dsrl.config.reuse import ReuseDecision, check_reuse_invariants, steps_per_rollout
 from dsrl.config.schema import Config
@@ -24,6 +26,7 @@ from dsrl.loss.registry import get_objective
 from dsrl.loss.skip import zero_advantage_skip
 from dsrl.loss.types import Aggregator
 from dsrl.registry import load_callable
+from dsrl.rollout.seeds import request_seeds
 from dsrl.rollout.samples import generate_samples, pack_microbatches
 from dsrl.tracking import MetricsLogger, PhaseTimer, microbatch_bar, plot_run
 
@@ -33,6 +36,14 @@ PHASES = ("rollout", "old_logprobs", "ref_logprobs", "teacher_logprobs", "train"
 TOKEN_FIELDS = ("old_log_probs", "ref_log_probs", "advantages", "opd_reverse_kl")
 # Objective metrics that are global sums (not means over trained samples).
 LOSS_METRICS = ("loss", "pg_loss", "loss:sum")
+
+
+class RunStopped(Exception):
+    """A signal asked the run to stop; the state after `step` is checkpointed in `checkpoint`."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str):
+        super().__init__(f"stopped by signal {signum} after step {step}; checkpoint: {checkpoint}")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
 
 
 class StepCounts(NamedTuple):
@@ -70,6 +81,8 @@ class Trainer:
         self.hooks = [load_callable(path, "trainer.before_train_step_hooks")
                       for path in cfg.trainer.before_train_step_hooks]
         self.steps_per_rollout = steps_per_rollout(cfg)
+        self.start_step = 0  # the last finished step (restore() sets it from a checkpoint)
+        self.stop_signal: Optional[int] = None  # set by a signal handler: stop after this step
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -78,15 +91,18 @@ class Trainer:
         say(self.decision.reason)
         say(self.skip_reason)
         summary = {}
-        if cfg.trainer.eval_before:
+        if cfg.trainer.eval_before and self.start_step == 0:
             summary.update({f"{k}_before": v for k, v in self.evaluate().items()})
             say("greedy accuracy before training: %.3f", summary["eval/accuracy_before"])
-        for step in range(1, cfg.trainer.total_steps + 1):
+        for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
             metrics = self.step(step)
             self.logger.log(step, metrics)
             say(self.logger.summary_line(step, metrics))
             if cfg.logger.plot and is_main_rank() and step % max(cfg.logger.plot_every, 1) == 0:
                 plot_run(self.logger.history, os.path.join(self.run_dir, "plot.png"))
+            saved = self.save(step) if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 else None
+            if all_reduce_max(self.stop_signal or 0):  # a signal reached some rank: stop together
+                raise RunStopped(int(all_reduce_max(self.stop_signal or 0)), step, saved or self.save(step))
         if cfg.trainer.eval_after:
             summary.update({f"{k}_after": v for k, v in self.evaluate().items()})
             say("greedy accuracy after training: %.3f", summary["eval/accuracy_after"])
@@ -105,6 +121,32 @@ class Trainer:
         self.logger.close()
         return summary
 
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, step: int) -> str:
+        """Checkpoint the state after `step` (collective); returns its folder."""
+        folder, seconds = save_checkpoint(
+            self.run_dir, step, actor=self.actor, tokenizer=self.tokenizer, keep=self.cfg.trainer.keep_checkpoints,
+            rank_state={"prompt_rng": self.rng.getstate()},
+            shared={"metrics": self.logger.history, "config": config_record(self.cfg)})
+        if is_main_rank():
+            log.info("checkpoint of step %d: %s (%.1f s)", step, folder, seconds)
+        return folder
+
+    def restore(self, folder: str) -> int:
+        """Continue from a checkpoint: weights, optimizer, RNGs, prompt stream, metrics so far; the
+        rollout engine gets the restored weights. Returns the checkpoint's step."""
+        shared = read_shared_state(folder)
+        self.actor.load_checkpoint(folder)
+        state = load_rank_state(folder)
+        restore_rng(state["rng"])
+        self.rng.setstate(state["trainer"]["prompt_rng"])
+        self.logger.restore(shared["metrics"])
+        self.start_step = int(shared["step"])
+        self.worker.push_weights(self.actor.state_dict_for_export(), self.start_step)
+        if is_main_rank():
+            log.info("resumed from %s: continuing after step %d", folder, self.start_step)
+        return self.start_step
+
     def step(self, step: int) -> dict:
         cfg, a = self.cfg, self.cfg.algo
         t_step = time.perf_counter()
@@ -113,10 +155,11 @@ class Trainer:
         with self.timer.phase("rollout"):
             prompts = self.source.sample_train(self.prompts_per_rank, self.rng)
             ids = [self.prompt_ids(p) for p in prompts]
+            seeds = request_seeds(cfg.rollout.seed, step, global_rank() * self.prompts_per_rank, len(ids))
             samples = generate_samples(self.worker, ids, prompts, self.verifier, n=a.n_samples_per_prompt,
                                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                        max_tokens=cfg.rollout.max_new_tokens,
-                                       show_progress=cfg.logger.progress and is_main_rank())
+                                       show_progress=cfg.logger.progress and is_main_rank(), seeds=seeds)
 
         # 3-5. scoring passes, advantages, optimizer step(s)
         metrics = self.train_on(samples)

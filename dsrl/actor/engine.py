@@ -24,6 +24,7 @@ from dsrl.distributed.ports import free_port
 from dsrl.loss.registry import ObjectiveSpec
 from dsrl.loss.types import Aggregator, LossInputs, LossOutput
 
+_DS_TAG = "deepspeed"  # sub-folder of a dsrl checkpoint holding DeepSpeed's files
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -239,6 +240,19 @@ class ActorEngine:
             self.engine._config.gradient_clipping = float(grad_clip)
             if hasattr(opt, "clip_grad"):
                 opt.clip_grad = float(grad_clip)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, folder: str) -> None:
+        """DeepSpeed checkpoint (module, optimizer, scheduler; every rank its own partition) into
+        `folder`/deepspeed. Collective: every rank must call it with the same folder."""
+        self.engine.save_checkpoint(folder, tag=_DS_TAG, save_latest=False)
+
+    def load_checkpoint(self, folder: str) -> None:
+        """Restore what save_checkpoint wrote (module, optimizer and scheduler states). Collective."""
+        path, _ = self.engine.load_checkpoint(folder, tag=_DS_TAG, load_optimizer_states=self.trainable,
+                                              load_lr_scheduler_states=self.trainable)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {folder}/{_DS_TAG}")
 
     # ------------------------------------------------------------------ weights
     @contextlib.contextmanager

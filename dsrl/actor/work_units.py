@@ -116,6 +116,11 @@ def _floats(value: Any, where: str) -> torch.Tensor:
     return t
 
 
+def _batch_key(client_key: str) -> str:
+    """LossInputs.batch key of a client loss_fn_inputs key (Tinker names mapped, others kept)."""
+    return tinker_losses.BATCH_KEYS.get(client_key, client_key)
+
+
 @dataclass
 class _Prepared:
     tokens: torch.Tensor  # (N,) long
@@ -160,9 +165,11 @@ class TrainingSession:
         name = tinker_losses.tinker_objective_name(loss_fn)  # ValueError for unknown loss_fn
         return OBJECTIVES[name]
 
-    def validate(self, data: Sequence, loss_fn: str) -> list:
-        """Check every datum before any forward; returns the prepared (tokens, inputs) list."""
-        required = tinker_losses.REQUIRED_INPUTS[loss_fn]
+    def validate(self, data: Sequence, loss_fn: str, required: Optional[Sequence[str]] = None) -> list:
+        """Check every datum before any forward; returns the prepared (tokens, inputs) list.
+        ``required``: the loss_fn_inputs keys to read (default: the Tinker loss's own set; a
+        server-side custom objective passes ``target_tokens`` plus the keys it declares)."""
+        required = tinker_losses.REQUIRED_INPUTS[loss_fn] if required is None else tuple(required)
         out = []
         for i, d in enumerate(data):
             if isinstance(d, Mapping):
@@ -191,7 +198,8 @@ class TrainingSession:
             out.append(_Prepared(tokens, inputs))
         return out
 
-    def _collate(self, items: Sequence[_Prepared], indices: Sequence[int], loss_fn: str) -> dict:
+    def _collate(self, items: Sequence[_Prepared], indices: Sequence[int],
+                 tags: Optional[Sequence[Any]] = None) -> dict:
         B = len(items)
         L = max(int(it.tokens.numel()) for it in items)
         T = L + 1  # one trailing pad column: the engine drops the last logit, we need N of them
@@ -199,8 +207,8 @@ class TrainingSession:
         attention_mask = torch.zeros((B, T), dtype=torch.long)
         targets = torch.zeros((B, L), dtype=torch.long)
         loss_mask = torch.zeros((B, L), dtype=torch.float32)
-        fields = {tinker_losses.BATCH_KEYS[k]: torch.zeros((B, L), dtype=torch.float32)
-                  for k in tinker_losses.REQUIRED_INPUTS[loss_fn] if k != "target_tokens"}
+        fields = {_batch_key(k): torch.zeros((B, L), dtype=torch.float32)
+                  for k in items[0].inputs if k != "target_tokens"}
         for b, it in enumerate(items):
             n = int(it.tokens.numel())
             input_ids[b, :n] = it.tokens
@@ -209,10 +217,12 @@ class TrainingSession:
             loss_mask[b, :n] = 1.0
             for k, v in it.inputs.items():
                 if k != "target_tokens":
-                    fields[tinker_losses.BATCH_KEYS[k]][b, :n] = v
+                    fields[_batch_key(k)][b, :n] = v
         mb = {"input_ids": input_ids, "attention_mask": attention_mask, "targets": targets,
               "loss_mask": loss_mask, "sample_indices": list(indices),
               "datum_lengths": [int(it.tokens.numel()) for it in items]}
+        if tags is not None:
+            mb["datum_tags"] = [tags[i] for i in indices]
         mb.update(fields)
         return mb
 
@@ -220,9 +230,16 @@ class TrainingSession:
              forward_only: bool) -> ForwardBackwardOutput:
         spec = self._objective(loss_fn)
         config = tinker_losses.resolve_config(loss_fn, loss_fn_config)
-        data = list(data)
-        prepared = self.validate(data, loss_fn)
+        prepared = self.validate(list(data), loss_fn)
+        return self.run_prepared(prepared, spec, config, forward_only=forward_only)
 
+    def run_prepared(self, prepared: Sequence[_Prepared], spec: ObjectiveSpec, config: Mapping, *,
+                     forward_only: bool, tags: Optional[Sequence[Any]] = None) -> ForwardBackwardOutput:
+        """Run already validated datums (`validate`) through ``spec`` with a resolved ``config``.
+        ``tags`` (one per datum) reach the engine as ``mb["datum_tags"]``: a multi-adapter
+        engine reads which adapter scores each row from them."""
+        prepared = list(prepared)
+        pad_keys = list(spec.required_inputs)  # batch keys of an empty (DP padding) microbatch
         mbs = self.micro_batch_size
         chunks = [list(range(s, min(s + mbs, len(prepared)))) for s in range(0, len(prepared), mbs)]
         n_local = len(chunks)
@@ -239,10 +256,9 @@ class TrainingSession:
         for k in range(n_global):
             if k < n_local:
                 idx = chunks[k]
-                mb = self._collate([prepared[i] for i in idx], idx, loss_fn)
+                mb = self._collate([prepared[i] for i in idx], idx, tags)
             else:
-                mb = empty_microbatch(self.pad_id, [tinker_losses.BATCH_KEYS[k] for k in
-                                                    tinker_losses.REQUIRED_INPUTS[loss_fn] if k != "target_tokens"])
+                mb = empty_microbatch(self.pad_id, pad_keys)
                 mb["datum_lengths"] = [1]
             reduce = Aggregator.build("sum", mb["loss_mask"])
             out = self.engine.forward_backward(mb, spec, config, reduce, is_last=False, forward_only=forward_only)
@@ -251,8 +267,9 @@ class TrainingSession:
             loss_sum += out.metrics["loss:sum"].detach().to("cpu", torch.float64)
             for rec in out.per_datum:
                 i = int(rec["sample_index"])
-                outputs[i] = {"logprobs": rec["logprobs"].to(torch.float32).clone(),
-                              "elementwise_loss": rec["elementwise_loss"].to(torch.float32).clone()}
+                outputs[i] = {"logprobs": rec["logprobs"].to(torch.float32).clone()}
+                if rec.get("elementwise_loss") is not None:  # a custom objective may not give it
+                    outputs[i]["elementwise_loss"] = rec["elementwise_loss"].to(torch.float32).clone()
         if multi:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": float(loss_sum.item())})

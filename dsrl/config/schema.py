@@ -164,12 +164,33 @@ class AlgoConfig:
 
 @dataclass
 class DataConfig:
-    # Prompt source: arith (built-in addition task) | gsm8k (textarena's copy of GSM8K) | any
-    # name registered with register_source | a dotted path to a source class.
+    # Prompt source: arith (built-in addition task) | gsm8k (textarena's copy of GSM8K) | jsonl |
+    # parquet | hf (the user's files, see data.path) | any name registered with register_source |
+    # a dotted path to a source class.
     name: str = "arith"
-    # Verifier: null = the source's default_verifier; else a registered verifier name or a
-    # dotted path to fn(completion_text, prompt) -> float.
-    verifier: Optional[str] = None
+    # jsonl | parquet: a file, a glob ("data/*.jsonl") or a folder of such files; hf: a folder
+    # written by datasets' save_to_disk. Relative paths are from the working directory.
+    path: Optional[str] = None
+    # Field holding the prompt: plain text (one user message) or chat messages [{role, content}].
+    prompt_key: str = "prompt"
+    # Field holding the reference answer (string or number) the verifier compares against;
+    # null = the rows carry none.
+    answer_key: Optional[str] = "answer"
+    # Held-out prompts from these files (same format and keys); null = a split of data.path.
+    eval_path: Optional[str] = None
+    # Share of distinct prompts held out when data.eval_path is null (fixed hash of the prompt:
+    # deterministic, disjoint from training); null = the source's default (arith 0.3, files 0.1).
+    eval_fraction: Optional[float] = None
+    # hf with a DatasetDict folder: the split to train on.
+    split: str = "train"
+    # hf with a DatasetDict folder: the held-out split (null: data.eval_path or data.eval_fraction).
+    eval_split: Optional[str] = None
+    # Longest prompt in tokens (chat template included); longer ones are an error or skipped,
+    # never truncated. null = rollout.max_model_len - rollout.max_new_tokens.
+    max_prompt_tokens: Optional[int] = None
+    # A bad row (malformed JSON, missing field, wrong type, empty or over-long prompt): error =
+    # stop naming file and row; skip = drop it, count it (data/skipped_rows), log the count once.
+    on_bad_row: str = "error"
     # arith: number of digits per operand (difficulty knob).
     digits: int = 1
     # arith: operands per sum.
@@ -182,6 +203,16 @@ class DataConfig:
     chat_template: bool = True
     # System prompt for the chat template ("" = none).
     system_prompt: str = ""
+
+
+@dataclass
+class RewardConfig:
+    # Verifier: null = the prompt source's default_verifier; else a registered verifier name
+    # (arith, gsm8k) or a dotted path to fn(completion_text, prompt) -> float.
+    fn: Optional[str] = None
+    # Seconds one sample's reward may take; a verifier that raises or takes longer gives that
+    # sample reward 0, counted as reward/errors or reward/timeouts.
+    timeout_s: float = 10.0
 
 
 @dataclass
@@ -199,6 +230,15 @@ class TrainerConfig:
     before_train_step_hooks: list = field(default_factory=list)
     # Assert after every optimizer step that all ranks hold identical parameters (one gather).
     check_rank_sync: bool = False
+    # Checkpoint every this many steps into <run_dir>/checkpoints (0 = only on a stop signal).
+    save_every: int = 10
+    # Newest checkpoints kept (older ones are deleted after a save; 0 keeps all).
+    keep_checkpoints: int = 2
+    # auto: continue from the newest complete checkpoint of resume_from (or of this run dir) if
+    # there is one; off: always start fresh.
+    resume: str = "auto"
+    # Run folder to resume from (null = this run's folder, e.g. hydra.run.dir=<old run>).
+    resume_from: Optional[str] = None
 
 
 @dataclass
@@ -229,6 +269,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     # Free-form experiment name (shown in logs).
@@ -242,7 +283,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="dsrl_schema", node=Config)
     for group, cls in (("model", ModelConfig), ("actor", ActorConfig), ("rollout", RolloutConfig),
-                       ("algo", AlgoConfig), ("data", DataConfig), ("trainer", TrainerConfig),
+                       ("algo", AlgoConfig), ("data", DataConfig), ("reward", RewardConfig), ("trainer", TrainerConfig),
                        ("logger", LoggerConfig)):
         cs.store(group=group, name=f"{group}_schema", node=cls)
 

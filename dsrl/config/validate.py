@@ -21,6 +21,39 @@ _CHOICES = {
     "rollout.dtype": ("auto", "float32", "bfloat16"),
     "rollout.backend": ("vllm",),
     "logger.wandb_mode": ("auto", "online", "offline"),
+    "trainer.resume": ("auto", "off"),
+    "data.on_bad_row": ("error", "skip"),
+}
+# Numeric ranges: key -> (test, what the value must be). Every float must also be finite.
+_SEED_RANGE = (lambda v: 0 <= v < 2**31, ">= 0 and < 2**31")
+_RANGES = {
+    "actor.eps": (lambda v: v > 0, "> 0"),
+    "actor.weight_decay": (lambda v: v >= 0, ">= 0"),
+    "actor.grad_clip": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    "actor.stage3_param_persistence_threshold": (lambda v: v >= 0, ">= 0"),
+    "actor.num_threads": (lambda v: v >= 0, ">= 0 (0 = auto)"),
+    "actor.betas": (lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
+                    "two numbers in [0, 1)"),
+    "rollout.kv_cache_gib": (lambda v: v >= 1, ">= 1"),
+    "rollout.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "rollout.seed": _SEED_RANGE,
+    "trainer.seed": _SEED_RANGE,
+    "data.seed": _SEED_RANGE,
+    "algo.eps_clip": (lambda v: v > 0, "> 0"),
+    "algo.eps_clip_high": (lambda v: v is None or v > 0, "> 0 or null"),
+    "algo.tis_clip": (lambda v: v > 0, "> 0"),
+    "algo.tis_clip_low": (lambda v: v >= 0, ">= 0"),
+    "algo.kl_coef": (lambda v: v >= 0, ">= 0"),
+    "algo.kl_loss_coef": (lambda v: v >= 0, ">= 0"),
+    "algo.opd_kl_coef": (lambda v: v >= 0, ">= 0"),
+    "algo.gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "logger.plot_every": (lambda v: v >= 1, ">= 1"),
+    "data.num_eval": (lambda v: v >= 0, ">= 0"),
+    "data.eval_fraction": (lambda v: v is None or 0 < v < 1, "in (0, 1) or null"),
+    "data.max_prompt_tokens": (lambda v: v is None or v >= 1, ">= 1 or null"),
+    "reward.timeout_s": (lambda v: v > 0, "> 0"),
+    "trainer.save_every": (lambda v: v >= 0, ">= 0 (0 = only on a stop signal)"),
+    "trainer.keep_checkpoints": (lambda v: v >= 0, ">= 0 (0 = keep all)"),
 }
 # Checked only when algo.tis_function=mis (the options of the built-in MIS correction).
 _MIS_CHOICES = {
@@ -83,6 +116,8 @@ def validate(cfg: Config) -> None:
                 errors.append(f"rollout.top_p={cfg.rollout.top_p} < 1 cannot be combined with {key}=true: vLLM's "
                               "sampling log-probs are over the renormalized nucleus, the trainer's over the full "
                               "vocabulary (set rollout.top_p=1)")
+    _check_numbers(cfg, errors)
+    _check_lengths(cfg, errors)
     _check_loss_plugins(cfg, errors)
     _check_data_plugins(cfg, errors)
     try:
@@ -200,18 +235,62 @@ def _check_objective(cfg: Config, spec: Any, errors: List[str]) -> None:
                       f"(accepted: {sorted(spec.config_defaults) or 'none'})")
 
 
-def _check_data_plugins(cfg: Config, errors: List[str]) -> None:
-    from dsrl.data.registry import source_class
-    from dsrl.reward.registry import get_verifier
+def _check_numbers(cfg: Config, errors: List[str]) -> None:
+    """Every float is finite (nan/inf pass every comparison or none), and the ranges above hold."""
+    import dataclasses
+    import math
 
-    d = cfg.data
+    for section in dataclasses.fields(cfg):
+        group = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(group):
+            continue
+        for f in dataclasses.fields(group):
+            v = getattr(group, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                errors.append(f"{section.name}.{f.name}={v} must be a finite number")
+    for key, (ok, what) in _RANGES.items():
+        v = _get(cfg, key)
+        try:
+            good = ok(v)
+        except TypeError:
+            good = False
+        if not good and not (isinstance(v, float) and not math.isfinite(v)):
+            errors.append(f"{key}={v} must be {what}")
+
+
+def _check_lengths(cfg: Config, errors: List[str]) -> None:
+    """Prompt and completion fit the rollout engine's context (vLLM refuses longer prompts)."""
+    r, limit = cfg.rollout, cfg.data.max_prompt_tokens
+    if r.max_new_tokens >= 1 and r.max_model_len <= r.max_new_tokens:
+        errors.append(f"rollout.max_model_len={r.max_model_len} must be > rollout.max_new_tokens={r.max_new_tokens} "
+                      "(room for the prompt)")
+    elif limit is not None and limit >= 1 and limit + r.max_new_tokens > r.max_model_len:
+        errors.append(f"data.max_prompt_tokens={limit} + rollout.max_new_tokens={r.max_new_tokens} exceeds "
+                      f"rollout.max_model_len={r.max_model_len}: lower data.max_prompt_tokens or raise "
+                      "rollout.max_model_len")
+
+
+def _check_data_plugins(cfg: Config, errors: List[str]) -> None:
+    """The prompt source (its own keys too: a file source checks data.path and its fields) and
+    the verifier (reward.fn, else the source's default)."""
+    from dsrl.data.registry import source_class
+    from dsrl.reward.registry import get_verifier, verifier_names
+
+    d, fn = cfg.data, cfg.reward.fn
     cls = _resolve(source_class, d.name, errors)
-    if d.verifier is not None:
-        _resolve(lambda name: get_verifier(name, "data.verifier"), d.verifier, errors)
+    check = getattr(cls, "check_config", None) if cls is not None else None
+    if callable(check):
+        try:
+            errors.extend(check(d))
+        except Exception as e:  # noqa: BLE001 - a user source's checker must not hide the other errors
+            errors.append(f"data.name={d.name!r}: its check_config failed: {type(e).__name__}: {e}")
+    if fn is not None:
+        _resolve(lambda name: get_verifier(name, "reward.fn"), fn, errors)
     elif cls is not None:
         default = getattr(cls, "default_verifier", None)
         if not default:
-            errors.append(f"data.name={d.name!r} names no default_verifier: set data.verifier")
+            errors.append(f"reward.fn is required: data.name={d.name!r} names no default_verifier; set reward.fn "
+                          f"to a registered verifier {verifier_names()} or a dotted path 'pkg.module.fn'")
         else:
-            key = f"data.verifier (null: the default_verifier of data.name={d.name!r})"
+            key = f"reward.fn (null: the default_verifier of data.name={d.name!r})"
             _resolve(lambda name: get_verifier(name, key), default, errors)

@@ -43,13 +43,14 @@ class ArithSource:
     # Eval-only phrasing (75% greedy with the same model), used past the held-out problem pool.
     eval_template = "What is {expr}? Reply with only the final number, nothing else."
 
-    def __init__(self, digits: int = 1, num_operands: int = 2, eval_fraction: float = 0.3):
+    def __init__(self, digits: int = 1, num_operands: int = 2, eval_fraction: Optional[float] = None):
+        eval_fraction = 0.3 if eval_fraction is None else eval_fraction  # null data.eval_fraction: 0.3
         if digits < 1:
             raise ValueError(f"data.digits must be >= 1, got {digits}")
         if num_operands < 2:
             raise ValueError(f"data.num_operands must be >= 2, got {num_operands}")
         if not 0.0 < eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+            raise ValueError(f"data.eval_fraction must be in (0, 1), got {eval_fraction}")
         self.digits = int(digits)
         self.num_operands = int(num_operands)
         self.eval_fraction = float(eval_fraction)

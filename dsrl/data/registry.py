@@ -91,7 +91,6 @@ def build_source(data_cfg: Any) -> PromptSource:
     DictConfig or mapping)."""
     d = _as_mapping(data_cfg)
     name = d.pop("name", "arith")
-    d.pop("verifier", None)  # read by the reward side (verifier_for_source), not a source option
     return make_source(name, **d)
 
 

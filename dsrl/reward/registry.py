@@ -3,7 +3,7 @@
     fn(completion_text: str, prompt: Prompt) -> float
 
 and each prompt source names its default verifier (`source.default_verifier`); config key
-`data.verifier` overrides it. A name is a registered verifier or a dotted path to a function.
+`reward.fn` overrides it. A name is a registered verifier or a dotted path to a function.
 
 The built-in verifiers register themselves when the package `dsrl.reward` is imported (its
 __init__ imports them); this module imports none of them."""
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
-from dsrl.registry import Registry
+from dsrl.registry import PluginError, Registry
 
 Verifier = Callable[[str, Any], float]
 
@@ -29,19 +29,20 @@ def verifier_names() -> list[str]:
     return sorted(VERIFIERS)
 
 
-def get_verifier(name: str, key: str = "data.verifier") -> Verifier:
+def get_verifier(name: str, key: str = "reward.fn") -> Verifier:
     """A registered verifier, or a function loaded from a dotted path; errors name `key`."""
     return VERIFIERS.resolve(name, key)
 
 
 def verifier_for_source(source: Any, override: Optional[str] = None) -> Verifier:
-    """The verifier named by `override` (config key data.verifier), else the source's
+    """The verifier named by `override` (config key reward.fn), else the source's
     `default_verifier`."""
     if override:
-        return get_verifier(override, "data.verifier")
+        return get_verifier(override, "reward.fn")
     name = getattr(source, "default_verifier", None)
     if not name:
-        raise ValueError(f"prompt source {source!r} names no default verifier; set data.verifier")
+        raise PluginError(f"reward.fn: prompt source {source!r} names no default verifier; set reward.fn to one "
+                          f"of {verifier_names()} or a dotted path 'pkg.module.fn'")
     return get_verifier(name, f"{type(source).__name__}.default_verifier")
 
 

@@ -70,11 +70,20 @@ def arith_exact(completion_text: str, prompt: Any) -> float:
     return 1.0 if nums and nums[0] == ref else 0.0
 
 
+def reference_number(answer: Any) -> Optional[Decimal]:
+    """The reference as a number: a plain answer ("72", "1,080", 43.0), or a worked GSM8K
+    solution whose final answer follows the last "####" (as in the original data files)."""
+    text = str(answer)
+    if "####" in text:
+        text = text.rsplit("####", 1)[1]
+    return normalize_number(text)
+
+
 @register_verifier("gsm8k")
 def gsm8k_last_number(completion_text: str, prompt: Any) -> float:
     """1.0 when the LAST number in the completion equals the reference (commas, "$" and a
-    trailing ".0" normalized)."""
-    ref = normalize_number(_answer_of(prompt))
+    trailing ".0" normalized; a reference holding a GSM8K solution counts from its "####")."""
+    ref = reference_number(_answer_of(prompt))
     if ref is None:
         return 0.0
     nums = find_numbers(completion_text)

@@ -1,17 +1,18 @@
 """Turn prompts into scored rollout samples, and pack samples into training microbatches."""
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from dsrl.actor.batch import Sample, collate
 
 
 def generate_samples(worker, prompt_ids: Sequence[Sequence[int]], prompts: Sequence, verifier: Callable, *,
                      n: int, temperature: float, top_p: float, max_tokens: int, show_progress: bool,
-                     index_offset: int = 0) -> List[Sample]:
-    """Sample `n` completions per prompt and score each with the verifier."""
+                     index_offset: int = 0, seeds: Optional[Sequence[int]] = None) -> List[Sample]:
+    """Sample `n` completions per prompt (request seeds: dsrl.rollout.seeds) and score each with
+    the verifier."""
     groups = worker.generate(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                             show_progress=show_progress)
+                             show_progress=show_progress, seeds=seeds)
     samples = []
     for g, (pids, prompt, comps) in enumerate(zip(prompt_ids, prompts, groups)):
         for c in comps:

@@ -81,21 +81,32 @@ class VLLMWorker:
         if not torch.cuda.is_available():
             os.environ.update(_cpu_env(kv_cache_gib, local_rank, local_world))
         self.weights_dir = weights_dir
+        # Per-request seeds (dsrl.rollout.seeds) on CPU: a prefill split across engine steps discards
+        # the sampled token and rewinds the request's generator with set_offset, which CPU torch
+        # generators do not support ("CPU Generator does not use offset"). Without chunked prefill a
+        # prompt that does not fit the step's token budget waits for the next step instead.
+        cpu_only = {} if torch.cuda.is_available() else {"enable_chunked_prefill": False}
         t0 = time.time()
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
                        logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                       disable_log_stats=True, use_tqdm_on_load=False)
+                       disable_log_stats=True, use_tqdm_on_load=False, **cpu_only)
         self.start_seconds = time.time() - t0
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, show_progress: bool = False) -> List[List[Completion]]:
-        """n completions per prompt, each with its sampling log-probs."""
+                 max_tokens: int, show_progress: bool = False,
+                 seeds: Optional[Sequence[int]] = None) -> List[List[Completion]]:
+        """n completions per prompt, each with its sampling log-probs. `seeds` (one per prompt)
+        makes sampling independent of the engine's RNG state and batching order."""
         from vllm import SamplingParams
 
         greedy = temperature == 0.0
-        params = SamplingParams(n=n, temperature=temperature, top_p=1.0 if greedy else top_p,
-                                max_tokens=max_tokens, logprobs=None if greedy else 0)
+        if seeds is not None and len(seeds) != len(prompt_ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
+        params = [SamplingParams(n=n, temperature=temperature, top_p=1.0 if greedy else top_p,
+                                 max_tokens=max_tokens, logprobs=None if greedy else 0,
+                                 seed=None if seeds is None or greedy else int(seeds[i]))
+                  for i in range(len(prompt_ids))]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params,
                                  use_tqdm=_generation_bar if show_progress else False)
         result = []

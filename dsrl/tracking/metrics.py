@@ -198,6 +198,19 @@ class MetricsLogger:
         self.history.append(record)
         return record
 
+    def restore(self, history: List[Dict[str, Any]]) -> None:
+        """Continue a run from a checkpoint: the history becomes the records saved with it, and
+        ``metrics.jsonl`` is rewritten to hold exactly those (a crashed run may have logged steps
+        after its last checkpoint; they are redone). TensorBoard keeps its own events."""
+        self.history = [dict(r) for r in history]
+        if not self.enabled:
+            return
+        self._file.close()
+        with open(self.metrics_path, "w", encoding="utf-8") as f:
+            for record in self.history:
+                f.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file = open(self.metrics_path, "a", encoding="utf-8")
+
     def summary_line(self, step: int, metrics: Mapping[str, Optional[float]]) -> str:
         """See ``format_summary``; works on every rank (it writes nothing)."""
         return format_summary(step, metrics)

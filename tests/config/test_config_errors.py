@@ -111,8 +111,8 @@ def _errors(*overrides) -> str:
     (("algo.tis_function=vanila",), ("algo.tis_function",)),
     (("algo.tis_function=os.path.no_such_fn",), ("algo.tis_function",)),
     (("data.name=no_such_pkg.Source",), ("data.name",)),
-    (("data.verifier=exact",), ("data.verifier",)),
-    (("data.verifier=os.path.no_such_fn",), ("data.verifier",)),
+    (("reward.fn=exact",), ("reward.fn",)),
+    (("reward.fn=os.path.no_such_fn",), ("reward.fn",)),
     (("algo.kl_coef=0.1",), ("algo.kl_coef", "algo.advantage_estimator", "use_kl_loss")),
     (("algo.kl_coef=0.1", "algo.advantage_estimator=rloo"), ("algo.kl_coef", "algo.advantage_estimator")),
     (("rollout.top_p=0.9", "algo.use_rollout_logprobs=true"), ("rollout.top_p", "algo.use_rollout_logprobs")),
@@ -139,7 +139,7 @@ def test_rule_names_the_key(overrides, keys):
     ("algo.kl_coef=0.1", "algo.advantage_estimator=reinforce_pp_baseline"),
     ("rollout.top_p=0.9",),
     ("algo.policy_loss=tinker:ppo", "algo.loss_agg_mode=sum", "+algo.loss_fn_config.clip_low_threshold=0.7"),
-    ("data.name=gsm8k", "data.verifier=arith"),
+    ("data.name=gsm8k", "reward.fn=arith"),
 ])
 def test_valid_combinations_pass(overrides):
     validate(to_config(_compose(*overrides)))
@@ -186,14 +186,14 @@ def test_dotted_path_plugins_pass_validation(plugins_importable):
         "algo.policy_loss=plugins_for_tests.reinforce_objective",
         "algo.advantage_estimator=plugins_for_tests.reward_minus_kl", "algo.kl_coef=0.05",
         "algo.tis_function=plugins_for_tests.halve_correction", "algo.use_tis=true",
-        "data.name=plugins_for_tests.LetterCountSource", "data.verifier=plugins_for_tests.length_verifier")))
-    # The source's default verifier (a dotted path) is resolved too when data.verifier is null.
+        "data.name=plugins_for_tests.LetterCountSource", "reward.fn=plugins_for_tests.length_verifier")))
+    # The source's default verifier (a dotted path) is resolved too when reward.fn is null.
     validate(to_config(_compose("data.name=plugins_for_tests.LetterCountSource")))
 
 
 @pytest.mark.parametrize("overrides,keys", [
     (("data.name=plugins_for_tests.NotASource",), ("data.name", "sample_train")),
-    (("data.name=plugins_for_tests.SourceWithoutVerifier",), ("data.verifier", "default_verifier")),
+    (("data.name=plugins_for_tests.SourceWithoutVerifier",), ("reward.fn", "default_verifier")),
     (("algo.policy_loss=plugins_for_tests.NOT_CALLABLE",), ("algo.policy_loss",)),
     # An estimator that does not declare uses_kl_in_reward ignores kl_coef.
     (("algo.advantage_estimator=plugins_for_tests.best_of_group", "algo.kl_coef=0.1"),
@@ -225,9 +225,9 @@ def _cli(tmp_path, tag, overrides, **env):
 @pytest.mark.parametrize("tag,overrides,env,keys", [
     ("ranks_mis_tis_data_kl_topp",
      ("algo.tis_function=mis", "algo.mis_level=tokens", "algo.mis_mode=cut", "data.name=no_such_pkg.Source",
-      "data.verifier=exact", "algo.kl_coef=0.1", "rollout.top_p=0.9", "algo.use_tis=true"),
+      "reward.fn=exact", "algo.kl_coef=0.1", "rollout.top_p=0.9", "algo.use_tis=true"),
      {"WORLD_SIZE": "3"},
-     ("algo.rollout_batch_size", "WORLD_SIZE=3", "algo.mis_level", "algo.mis_mode", "data.name", "data.verifier",
+     ("algo.rollout_batch_size", "WORLD_SIZE=3", "algo.mis_level", "algo.mis_mode", "data.name", "reward.fn",
       "algo.kl_coef", "algo.advantage_estimator", "rollout.top_p", "algo.use_tis")),
     ("steps_objective_config",
      ("algo.num_steps_per_rollout=3", "algo.policy_loss=tinker:cross_entropy", "+algo.loss_fn_config.beta=1",
@@ -258,10 +258,10 @@ def test_cli_accepts_dotted_path_plugins(tmp_path):
     rc, out, wall = _cli(tmp_path, "plugins", (
         "algo.reuse_logprobs=auto", "algo.policy_loss=plugins_for_tests.reinforce_objective",
         "algo.advantage_estimator=plugins_for_tests.best_of_group",
-        "data.name=plugins_for_tests.LetterCountSource", "data.verifier=plugins_for_tests.length_verifier",
+        "data.name=plugins_for_tests.LetterCountSource", "reward.fn=plugins_for_tests.length_verifier",
         "algo.tis_function=plugins_for_tests.halve_correction", "actor.lr=-1"))
     assert rc != 0 and "actor.lr" in out, out
-    for key in ("algo.policy_loss", "algo.advantage_estimator", "data.name", "data.verifier", "algo.tis_function"):
+    for key in ("algo.policy_loss", "algo.advantage_estimator", "data.name", "reward.fn", "algo.tis_function"):
         assert key not in out, (key, out)
     assert wall < 60, wall
 

@@ -171,8 +171,8 @@ def test_dotted_source_and_verifiers():
     assert score(fn, ["x" * (int(p.answer) + 1) for p in prompts], prompts) == [0.0, 0.0, 0.0]
     assert score(fn, ["y" * int(p.answer) for p in prompts], prompts) == [1.0, 1.0, 1.0]
     arith = get_verifier("arith")
-    assert verifier_for_source(src, "arith") is arith  # data.verifier overrides the default
-    with pytest.raises(PluginError, match="data.verifier"):
+    assert verifier_for_source(src, "arith") is arith  # reward.fn overrides the default
+    with pytest.raises(PluginError, match="reward.fn"):
         verifier_for_source(src, "nope")
     with pytest.raises(PluginError, match="data.name"):
         make_source("plugins_for_tests.NotASource")

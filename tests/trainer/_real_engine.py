@@ -127,7 +127,7 @@ class FakeWorker:
         self.samples = list(samples)
         self.pushed: list = []
 
-    def generate(self, prompt_ids, *, n, temperature, top_p, max_tokens, show_progress=False):
+    def generate(self, prompt_ids, *, n, temperature, top_p, max_tokens, show_progress=False, seeds=None):
         groups = []
         for g, ids in enumerate(prompt_ids):
             mine = [s for s in self.samples if s.group == g]

@@ -22,7 +22,7 @@ class FakeWorker:
     def __init__(self):
         self.pushes = 0
 
-    def generate(self, prompt_ids, *, n, temperature, top_p, max_tokens, show_progress=False):
+    def generate(self, prompt_ids, *, n, temperature, top_p, max_tokens, show_progress=False, seeds=None):
         out = []
         for g, _ in enumerate(prompt_ids):
             out.append([Completion([5 + j, 6, 7][: 2 + (j % 2)], [-0.5, -0.25, -1.0][: 2 + (j % 2)], "stop",

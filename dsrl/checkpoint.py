@@ -1,0 +1,218 @@
+"""Checkpoints of a run and exact resume.
+
+A checkpoint is one folder `<run_dir>/checkpoints/step-NNNNNN/` holding
+  deepspeed/           DeepSpeed's checkpoint (module, optimizer, scheduler; one partition per rank)
+  rank-R.pt            rank R's RNG states (python, numpy, torch) and its trainer state
+  trainer_state.json   step, metrics so far, the resolved config, world size (rank 0)
+  hf/                  the policy as a transformers folder (for use outside dsrl)
+  COMPLETE.json        written last: every file with its size
+It is written under a temporary name and renamed when complete, so a crash mid-save leaves no
+folder that looks complete; a folder whose manifest is missing or whose files do not match it is
+skipped with a warning naming it. The newest `keep` checkpoints are kept.
+
+Resume is exact: with the same config and seeds the steps after the checkpoint reproduce the
+uninterrupted run (sampling seeds depend only on (seed, step, prompt), see dsrl.rollout.seeds).
+A config change that breaks that is an error naming the keys; the keys in RESUME_SAFE may change.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from dsrl.config.reuse import ConfigError
+from dsrl.distributed.ranks import global_rank, world_size
+
+log = logging.getLogger("dsrl")
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "COMPLETE.json"
+SHARED_STATE = "trainer_state.json"
+_PREFIX = "step-"
+
+# Config keys a resumed run may change without breaking exactness (prefix match on dotted keys).
+RESUME_SAFE = ("name", "logger.", "trainer.total_steps", "trainer.save_every", "trainer.keep_checkpoints",
+               "trainer.resume", "trainer.resume_from", "trainer.eval_before", "trainer.eval_after",
+               "trainer.save_final", "trainer.check_rank_sync", "trainer.max_skipped_steps",
+               "rollout.max_restarts", "rollout.timeout_s", "data.num_eval")
+
+
+def checkpoint_dir(run_dir: str, step: int) -> str:
+    return os.path.join(run_dir, CHECKPOINTS, f"{_PREFIX}{step:06d}")
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's value of `obj` on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------------- RNG
+def capture_rng() -> dict:
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------- save
+def _manifest(folder: str) -> Dict[str, int]:
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            files[os.path.relpath(path, folder)] = os.path.getsize(path)
+    return files
+
+
+def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, rank_state: dict, shared: dict,
+                    keep: int) -> tuple[str, float]:
+    """Write the checkpoint of `step` atomically; returns (folder, seconds). Collective."""
+    t0 = time.perf_counter()
+    final = checkpoint_dir(run_dir, step)
+    tmp = os.path.join(run_dir, CHECKPOINTS, f".tmp-{_PREFIX}{step:06d}")
+    if global_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    actor.save_checkpoint(tmp)
+    torch.save({"rng": capture_rng(), "trainer": rank_state}, os.path.join(tmp, f"rank-{global_rank()}.pt"))
+    actor.save_hf(os.path.join(tmp, "hf"), tokenizer=tokenizer)  # collective (gathers under ZeRO-3)
+    if global_rank() == 0:
+        with open(os.path.join(tmp, SHARED_STATE), "w") as f:
+            json.dump({"step": step, "world_size": world_size(), **shared}, f)
+    _barrier()  # every rank's files are on disk
+    if global_rank() == 0:
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(_manifest(tmp), f)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _prune(run_dir, keep)
+    _barrier()
+    return final, time.perf_counter() - t0
+
+
+def _prune(run_dir: str, keep: int) -> None:
+    if keep <= 0:
+        return
+    for old in _complete_checkpoints(run_dir, warn=False)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------- find / load
+def _damage(folder: str) -> Optional[str]:
+    """Why `folder` is not a usable checkpoint (None when it is)."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        return "no manifest (partial save)"
+    try:
+        with open(path) as f:
+            expected = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"unreadable manifest ({e})"
+    for rel, size in expected.items():
+        full = os.path.join(folder, rel)
+        if not os.path.isfile(full):
+            return f"missing {rel}"
+        if os.path.getsize(full) != size:
+            return f"{rel} has {os.path.getsize(full)} bytes, manifest says {size}"
+    return None
+
+
+def _complete_checkpoints(run_dir: str, warn: bool = True) -> List[str]:
+    """Complete checkpoint folders of `run_dir`, newest first; damaged ones are named and skipped."""
+    root = os.path.join(run_dir, CHECKPOINTS)
+    if not os.path.isdir(root):
+        return []
+    names = sorted((n for n in os.listdir(root) if n.startswith(_PREFIX)), reverse=True)
+    out = []
+    for name in names:
+        folder = os.path.join(root, name)
+        why = _damage(folder)
+        if why is None:
+            out.append(folder)
+        elif warn:
+            log.warning("skipping damaged checkpoint %s: %s", folder, why)
+    return out
+
+
+def find_latest(run_dir: str) -> Optional[str]:
+    """The newest complete checkpoint of `run_dir` as rank 0 sees it (same answer on every rank)."""
+    found = None
+    if global_rank() == 0:
+        complete = _complete_checkpoints(run_dir)
+        found = complete[0] if complete else None
+    return _broadcast(found)
+
+
+def read_shared_state(folder: str) -> dict:
+    with open(os.path.join(folder, SHARED_STATE)) as f:
+        return json.load(f)
+
+
+def load_rank_state(folder: str) -> dict:
+    path = os.path.join(folder, f"rank-{global_rank()}.pt")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {folder} has no state for rank {global_rank()} "
+                                f"(saved with another world size?)")
+    return torch.load(path, weights_only=False)
+
+
+# ---------------------------------------------------------------------------------------- config
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_record(cfg) -> dict:
+    """The resolved config as stored in a checkpoint (JSON-able)."""
+    return json.loads(json.dumps(asdict(cfg), default=str))
+
+
+def check_resume_compatible(saved: dict, saved_world: int, cfg, folder: str) -> None:
+    """ConfigError naming every key whose change breaks exact resume."""
+    now, old = _flatten(config_record(cfg)), _flatten(saved)
+    changed = sorted(k for k in set(now) | set(old)
+                     if now.get(k) != old.get(k) and not any(k == s or (s.endswith(".") and k.startswith(s))
+                                                              for s in RESUME_SAFE))
+    problems = [f"{k}: {old.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in changed]
+    if saved_world != world_size():
+        problems.append(f"world size: {saved_world} in the checkpoint, {world_size()} now")
+    if problems:
+        raise ConfigError(f"cannot resume exactly from {folder}: " + "; ".join(problems)
+                          + " (only these may change: " + ", ".join(RESUME_SAFE) + ")")

@@ -1,0 +1,63 @@
+"""A full-parameter training client: its own DeepSpeed `ActorEngine` on the base model, driven
+through the in-process Tinker work units (`TrainingSession`). Training state is a DeepSpeed
+checkpoint (weights and optimizer, any ZeRO stage)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, Optional
+
+from dsrl.actor.work_units import AdamParams, TrainingSession
+from dsrl.serve.export import write_hf_folder
+
+STATE_TAG = "state"
+
+
+class FullModel:
+    is_lora = False
+    lora_rank = 0
+
+    def __init__(self, model_id: str, engine, *, micro_batch_size: int, pad_id: int):
+        self.model_id = model_id
+        self.engine = engine
+        self.session = TrainingSession(engine, micro_batch_size, pad_id=pad_id)
+        self.group_key = ("full", model_id)  # only this client's own consecutive chunks share a forward
+        self.tag = None  # no per-row adapter
+        self.lora_config: Optional[dict] = None
+
+    @property
+    def hf_config(self):
+        return self.engine.hf_config
+
+    def optim_step(self, params: AdamParams) -> Dict[str, float]:
+        return self.session.optim_step(params).metrics
+
+    def save_state(self, folder: Path, *, optimizer: bool = True) -> None:
+        """DeepSpeed checkpoint (weights + optimizer state of every ZeRO partition)."""
+        self.engine.engine.save_checkpoint(str(folder), tag=STATE_TAG, save_latest=False)
+
+    def load_state(self, folder: Path, *, optimizer: bool) -> None:
+        path, _ = self.engine.engine.load_checkpoint(
+            str(folder), tag=STATE_TAG, load_optimizer_states=optimizer, load_lr_scheduler_states=False,
+            load_module_only=not optimizer)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}")
+
+    def export_sampler(self, folder: Path) -> None:
+        write_hf_folder(folder, self.engine.state_dict_for_export(), self.hf_config)
+
+    def release(self) -> None:
+        self.engine = None
+        self.session = None
+        import gc
+
+        gc.collect()
+
+
+def build_full_model(model_id: str, model_path: str, *, zero_stage: int, dtype: str, attn_implementation: str,
+                     micro_batch_size: int, pad_id: int, persistence_threshold: int) -> FullModel:
+    from dsrl.actor.engine import ActorEngine
+
+    engine = ActorEngine(model_path, zero_stage=zero_stage, dtype=dtype, attn_implementation=attn_implementation,
+                         trainable=True, grad_clip=0.0, micro_batch_size=micro_batch_size,
+                         persistence_threshold=persistence_threshold, role=f"serve:{model_id}")
+    return FullModel(model_id, engine, micro_batch_size=micro_batch_size, pad_id=pad_id)
