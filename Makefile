@@ -35,3 +35,11 @@ bench-logprobs: setup
 
 clean-outputs:
 	rm -rf outputs multirun
+
+# The Tinker-compatible service (SDK 0.38): TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-dsrl-local
+.PHONY: serve bench-serve
+serve: setup
+	$(PY) -m dsrl.serve +exp=tinker_service $(ARGS)
+
+bench-serve: setup
+	$(PY) bench/bench_serve.py $(ARGS)

@@ -111,8 +111,9 @@ def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, rank_state: di
             json.dump({"step": step, "world_size": world_size(), **shared}, f)
     _barrier()  # every rank's files are on disk
     if global_rank() == 0:
+        manifest = _manifest(tmp)  # before the manifest file itself exists
         with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(_manifest(tmp), f)
+            json.dump(manifest, f)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)

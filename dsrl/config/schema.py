@@ -263,6 +263,44 @@ class LoggerConfig:
 
 
 @dataclass
+class ServeConfig:
+    """The Tinker-compatible training service (`python -m dsrl.serve +exp=tinker_service`)."""
+    # Interface to bind. Keep 127.0.0.1 unless clients on other machines must reach it (every
+    # request needs a key from api_keys either way).
+    host: str = "127.0.0.1"
+    # TCP port (0 = any free port; the chosen one is logged).
+    port: int = 8000
+    # Accepted API keys (the SDK's X-API-Key header); the SDK only sends keys that start with "tml-".
+    api_keys: list = field(default_factory=lambda: ["tml-dsrl-local"])
+    # The name clients pass as base_model (null = model.path as given).
+    model_name: Optional[str] = None
+    # Folder of the tinker:// checkpoint store (null = <run dir>/checkpoints).
+    checkpoint_dir: Optional[str] = None
+    # Start a vLLM engine for sampling (asample, compute_logprobs, sampling clients).
+    sampling: bool = True
+    # LoRA alpha of every adapter (its update is scaled by alpha / rank).
+    lora_alpha: float = 32.0
+    # Largest LoRA rank a client may ask for.
+    max_lora_rank: int = 128
+    # Most LoRA training clients (slots) on the base model at once.
+    max_lora_slots: int = 8
+    # Allow full-parameter clients (LoRA rank 0); each gets its own DeepSpeed engine (actor.*).
+    allow_full_parameter: bool = True
+    # Most datums per forward_backward request the SDK sends (its fwdbwd_max_chunk_len).
+    max_chunk_datums: int = 1024
+    # Most datums in one merged forward (consecutive chunks of a client, several LoRA slots).
+    max_merged_datums: int = 256
+    # Seconds retrieve_future holds a poll before answering try_again (below the SDK's 45 s timeout).
+    long_poll_seconds: float = 20.0
+    # Server-side custom losses {loss_id: dotted.path.to.fn}, run by loss_fn="custom" with
+    # loss_fn_config={"loss_id": ...} (fn(LossInputs) -> LossOutput or a scalar loss).
+    custom_losses: dict = field(default_factory=dict)
+    # Ephemeral sampler snapshots (save_weights_and_get_sampling_client) kept per client; older
+    # ones are deleted.
+    keep_sampler_snapshots: int = 2
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -272,6 +310,8 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # Tinker-compatible service settings (python -m dsrl.serve); unused by the RL loop.
+    serve: ServeConfig = field(default_factory=ServeConfig)
     # Free-form experiment name (shown in logs).
     name: str = "dsrl"
 

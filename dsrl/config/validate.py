@@ -78,7 +78,7 @@ def validate(cfg: Config) -> None:
     a = cfg.algo
     positive = ("algo.n_samples_per_prompt", "algo.rollout_batch_size", "algo.global_batch_size",
                 "actor.micro_batch_size", "actor.forward_micro_batch_size", "rollout.max_new_tokens",
-                "trainer.total_steps", "data.digits", "data.num_operands")
+                "trainer.total_steps")  # data.digits / data.num_operands: ArithSource.check_config
     for key in positive:
         if _get(cfg, key) < 1:
             errors.append(f"{key}={_get(cfg, key)} must be >= 1")

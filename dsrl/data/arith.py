@@ -64,6 +64,16 @@ class ArithSource:
         if self.enumerated:
             self._split_enumerated()
 
+    @classmethod
+    def check_config(cls, d) -> list:
+        """This task's own `data` keys, each error naming its key (run by validate.py)."""
+        errors = []
+        if d.digits < 1:
+            errors.append(f"data.digits={d.digits} must be >= 1")
+        if d.num_operands < 2:
+            errors.append(f"data.num_operands={d.num_operands} must be >= 2 (a sum of at least two numbers)")
+        return errors
+
     # ---------------------------------------------------------------- split
     def _split_enumerated(self) -> None:
         rng_vals = range(self.lo, self.hi + 1)

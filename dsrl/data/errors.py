@@ -56,9 +56,12 @@ class BadRows:
         return dict(Counter(kind for _, kind, _ in self.rows))
 
     def report(self, first: int, what: str) -> None:
-        """Log, once, the rows skipped from index `first` on (e.g. by one loading pass)."""
+        """Log, once (rank 0 of a multi-rank run), the rows skipped from index `first` on (e.g.
+        by one loading pass)."""
+        from dsrl.distributed.ranks import is_main_rank
+
         new = self.rows[first:]
-        if not new:
+        if not new or not is_main_rank():
             return
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(Counter(k for _, k, _ in new).items()))
         quoted = "; ".join(f"{w}: {d}" for w, _, d in new[:_QUOTED])

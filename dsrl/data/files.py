@@ -25,6 +25,7 @@ from dsrl.data.readers import hf_layout, read_hf, read_jsonl, read_parquet, reso
 from dsrl.data.registry import RngLike, as_random, register_source
 from dsrl.data.rows import record_to_prompt
 from dsrl.data.types import Prompt
+from dsrl.distributed.ranks import is_main_rank
 
 log = logging.getLogger("dsrl")
 
@@ -39,13 +40,15 @@ def prompt_hash(prompt: Prompt) -> float:
 
 
 def split_by_hash(prompts: List[Prompt], fraction: float) -> tuple:
-    """(train, eval): prompts whose hash is below `fraction` are held out. At least one distinct
-    prompt is held out when there are two or more; file order is kept on both sides."""
+    """(train, eval): prompts whose hash is below `fraction` are held out. With two or more
+    distinct prompts, each side gets at least one; file order is kept on both sides."""
     hashes = [prompt_hash(p) for p in prompts]
     held = {h for h in hashes if h < fraction}
     distinct = sorted(set(hashes))
     if not held and len(distinct) >= 2:
         held = {distinct[0]}
+    if distinct and len(held) == len(distinct):  # training keeps at least one prompt
+        held.discard(distinct[-1])
     train = [p for p, h in zip(prompts, hashes) if h not in held]
     evals = [p for p, h in zip(prompts, hashes) if h in held]
     return train, evals
@@ -86,6 +89,8 @@ class FileSource:
         self.train, self.evals = train, evals
         self.bad.report(0, "bad row(s)")
         self._require_rows()
+        if not is_main_rank():  # every rank reads the data; one says so
+            return
         if not evals:
             log.warning("data: no held-out prompts (%s): greedy evaluation will score nothing", path)
         log.info("data: %d training / %d held-out prompts from %s%s", len(train), len(evals), path,

@@ -4,13 +4,14 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Sequence
 
 from dsrl.actor.batch import Sample, collate
+from dsrl.rollout.rewards import RewardGuard
 
 
 def generate_samples(worker, prompt_ids: Sequence[Sequence[int]], prompts: Sequence, verifier: Callable, *,
                      n: int, temperature: float, top_p: float, max_tokens: int, show_progress: bool,
                      index_offset: int = 0, seeds: Optional[Sequence[int]] = None) -> List[Sample]:
     """Sample `n` completions per prompt (request seeds: dsrl.rollout.seeds) and score each with
-    the verifier."""
+    the verifier (a dsrl.rollout.rewards.RewardGuard is told which sample it scores)."""
     groups = worker.generate(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                              show_progress=show_progress, seeds=seeds)
     samples = []
@@ -18,9 +19,13 @@ def generate_samples(worker, prompt_ids: Sequence[Sequence[int]], prompts: Seque
         for c in comps:
             if len(c.logprobs) != len(c.token_ids):
                 raise RuntimeError(f"vLLM returned {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens")
+            index = index_offset + len(samples)
+            if isinstance(verifier, RewardGuard):
+                reward = verifier.score(c.text, prompt, where=f"prompt {g} (sample {index})")
+            else:
+                reward = float(verifier(c.text, prompt))
             samples.append(Sample(prompt_ids=list(pids), response_ids=c.token_ids, rollout_log_probs=c.logprobs,
-                                  group=g, index=index_offset + len(samples), reward=float(verifier(c.text, prompt)),
-                                  finish_reason=c.finish_reason, text=c.text))
+                                  group=g, index=index, reward=reward, finish_reason=c.finish_reason, text=c.text))
     return samples
 
 

@@ -4,7 +4,11 @@ its rank's share of the prompts.
 
 Weight push: the trainer writes its full weights to one safetensors file and the engine reloads
 them in place (`reload_weights`; plain `load_weights` fails on CPU because weights are repacked).
-One file per push, not one RPC per parameter."""
+One file per push, not one RPC per parameter; the file stays, so a rebuilt engine gets the last
+pushed weights back with `reload_pushed_weights` (dsrl.rollout.resilient).
+
+Process hygiene: the worker records its engine's processes (psutil handles) when it starts, so
+`engine_alive` can tell a dead engine from a slow one, and `kill` / `close` leave none behind."""
 from __future__ import annotations
 
 import contextlib
@@ -92,6 +96,7 @@ class VLLMWorker:
                        logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                        disable_log_stats=True, use_tqdm_on_load=False, **cpu_only)
         self.start_seconds = time.time() - t0
+        self._procs = engine_processes(self.llm)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
                  max_tokens: int, show_progress: bool = False,
@@ -136,9 +141,39 @@ class VLLMWorker:
         self.llm.reset_prefix_cache()
         return time.time() - t0
 
+    def reload_pushed_weights(self) -> bool:
+        """Load the last pushed weights file into the engine (a rebuilt engine starts from the
+        model folder's weights); False when nothing was pushed yet."""
+        if self.weights_dir is None or not os.path.isfile(os.path.join(self.weights_dir, "model.safetensors")):
+            return False
+        self.llm.collective_rpc(reload_and_retie, args=(self.weights_dir,))
+        self.llm.reset_prefix_cache()
+        return True
+
+    def engine_alive(self) -> bool:
+        """Every process the engine started at construction still runs (a zombie counts as dead)."""
+        return self.llm is not None and all(_running(p) for p in self._procs)
+
+    def kill(self) -> None:
+        """Stop a dead or hung engine at once: SIGKILL its processes, wake any thread still
+        waiting on it (vLLM's client would wait forever), release the client."""
+        import psutil
+
+        procs = _with_descendants(self._procs)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        llm = self.llm
+        if llm is not None:
+            _wake_waiters(getattr(llm.llm_engine, "engine_core", None))
+        self.close()
+
     def close(self) -> None:
+        """Shut the engine down (vLLM's own shutdown), then make sure none of its processes
+        survives: whatever still runs after a grace period is killed."""
         llm = getattr(self, "llm", None)
         self.llm = None
+        procs = _with_descendants(getattr(self, "_procs", []))
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)
             shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
@@ -146,3 +181,91 @@ class VLLMWorker:
                 with contextlib.suppress(Exception):  # engine already gone
                     shutdown()
             del llm
+        _reap(procs)
+
+
+# ---------------------------------------------------------------------- engine processes
+_GRACE_S = 10.0  # close(): how long the engine's processes get to exit before SIGKILL
+
+
+def engine_processes(llm) -> list:
+    """psutil handles of the engine's processes: vLLM's engine core(s) and everything they
+    started (the model workers). A handle remembers its start time, so a recycled pid is never
+    taken for the engine. Falls back to this process's children that vLLM named VLLM::*."""
+    import psutil
+
+    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    manager = getattr(getattr(engine_core, "resources", None), "engine_manager", None)
+    roots = []
+    for proc in getattr(manager, "processes", None) or []:
+        with contextlib.suppress(psutil.Error, ValueError, TypeError):
+            roots.append(psutil.Process(proc.pid))
+    if not roots:
+        with contextlib.suppress(psutil.Error):
+            roots = [p for p in psutil.Process().children() if _named_vllm(p)]
+    return _with_descendants(roots)
+
+
+def _named_vllm(p) -> bool:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return p.name().startswith("VLLM") or any(a.startswith("VLLM::") for a in p.cmdline()[:1])
+    return False
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _with_descendants(procs: list) -> list:
+    """`procs` plus their current descendants (each once)."""
+    import psutil
+
+    out, seen = [], set()
+    for p in procs:
+        kids = []
+        with contextlib.suppress(psutil.Error):
+            kids = p.children(recursive=True) if _running(p) else []
+        for q in [p, *kids]:
+            if q.pid not in seen:
+                seen.add(q.pid)
+                out.append(q)
+    return out
+
+
+def _reap(procs: list, grace_s: float = _GRACE_S) -> None:
+    """Wait up to `grace_s` for `procs` to exit, then SIGKILL the rest. Polls instead of
+    psutil.wait_procs: waitpid on vLLM's own children would steal their exit status from
+    multiprocessing."""
+    import psutil
+
+    deadline = time.monotonic() + grace_s
+    while any(_running(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in procs:
+        if _running(p):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
+def _wake_waiters(engine_core) -> None:
+    """vLLM's synchronous client blocks on its output queue (generate) or on a future
+    (collective_rpc) without a timeout, and nothing answers once the engine is gone: hand both
+    an error so a thread stuck in them returns."""
+    if engine_core is None:
+        return
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    outputs = getattr(engine_core, "outputs_queue", None)
+    if outputs is not None:
+        with contextlib.suppress(Exception):
+            outputs.put_nowait(EngineDeadError())
+    for future in list((getattr(engine_core, "utility_results", None) or {}).values()):
+        with contextlib.suppress(Exception):
+            future.set_exception(EngineDeadError())

@@ -19,6 +19,7 @@ comes from ``mb["datum_tags"]``."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional
@@ -111,7 +112,10 @@ class LoraPool:
         config = LoraConfig(r=int(spec.rank), lora_alpha=float(spec.alpha), lora_dropout=0.0, bias="none",
                             target_modules=target_modules(self._layers, spec), init_lora_weights=True)
         rng = torch.random.fork_rng(devices=[]) if spec.seed is not None else contextlib.nullcontext()
-        with rng:
+        with rng, warnings.catch_warnings():
+            # PEFT warns that a LoRA on the head of a tied model unties it on merge: exports here
+            # always write the head on its own (dsrl.serve.export), so that is what we want.
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
             if spec.seed is not None:
                 torch.manual_seed(int(spec.seed))
             if self.peft is None:

@@ -415,26 +415,34 @@ class _AnswerWorker:
         return 0.0
 
 
-def test_user_jsonl_through_the_trainer_loop(tmp_path, tiny_tokenizer):
-    """data=jsonl + reward.fn=gsm8k: the file's prompts, encoded with the real tokenizer (the
-    over-long one skipped before any engine), are rolled out, scored by the named verifier and
+@pytest.mark.parametrize("dataset", ["written", "mawps"])
+def test_user_jsonl_through_the_trainer_loop(tmp_path, tiny_tokenizer, dataset):
+    """data=jsonl + reward.fn=gsm8k, for a file the test writes (with a malformed and an
+    over-long row, skipped before any engine) and for MAWPS from textarena with its own keys: the
+    prompts, encoded with the real tokenizer, are rolled out, scored by the named verifier and
     trained on; greedy evaluation runs on the held-out prompts."""
     from dsrl.trainer import Trainer
 
-    recs = _records(30) + [{"prompt": "Add " + "1 + " * 300 + "1.", "answer": "301"}, "{broken"]
-    f = _write_jsonl(tmp_path / "train.jsonl", recs)
+    if dataset == "written":
+        recs = _records(30) + [{"prompt": "Add " + "1 + " * 300 + "1.", "answer": "301"}, "{broken"]
+        f, keys = _write_jsonl(tmp_path / "train.jsonl", recs), dict(max_prompt_tokens=100)
+        skipped = {"malformed JSON": 1, "over-long prompt": 1}
+    else:
+        f = str(textarena_data_dir() / "mawps" / "addsub.jsonl")
+        keys = dict(prompt_key="input", answer_key="target")  # limit: rollout.max_model_len - max_new_tokens
+        skipped = {}
     cfg = Config()
     cfg.algo = dataclasses.replace(cfg.algo, n_samples_per_prompt=4, rollout_batch_size=4, global_batch_size=16,
                                    reuse_logprobs="on")
-    cfg.data = dataclasses.replace(cfg.data, name="jsonl", path=f, on_bad_row="skip", max_prompt_tokens=100,
-                                   eval_fraction=0.2, num_eval=100)
+    cfg.data = dataclasses.replace(cfg.data, name="jsonl", path=f, on_bad_row="skip",
+                                   eval_fraction=0.2, num_eval=100, **keys)
     cfg.reward = dataclasses.replace(cfg.reward, fn="gsm8k")
     cfg.logger = dataclasses.replace(cfg.logger, tensorboard=False, plot=False, progress=False)
     cfg.trainer = dataclasses.replace(cfg.trainer, eval_before=False, eval_after=False, save_final=False)
     validate(cfg)
     source = build_source(cfg.data)
     check_prompt_lengths(source, tiny_tokenizer, cfg)
-    assert source.bad.by_kind() == {"malformed JSON": 1, "over-long prompt": 1}
+    assert source.bad.by_kind() == skipped
     verifier = verifier_for_source(source, cfg.reward.fn)
 
     def prompt_ids(p):
@@ -452,4 +460,4 @@ def test_user_jsonl_through_the_trainer_loop(tmp_path, tiny_tokenizer):
     ev = t.evaluate()
     assert ev["eval/accuracy"] == 1.0 and ev["eval/num_prompts"] == len(source.evals) > 0
     assert {tuple(ids) for ids in worker.seen[1]} == {tuple(prompt_ids(p)) for p in source.evals}
-    assert math.isclose(source.metrics()["data/skipped_rows"], 2.0)
+    assert math.isclose(source.metrics()["data/skipped_rows"], sum(skipped.values()))

@@ -94,3 +94,28 @@ def test_verifier_accepts_prompt_objects():
     p = Prompt(messages=[{"role": "user", "content": "What is 2 + 2?"}], answer="4")
     assert get_verifier("arith")(" 4", p) == 1.0
     assert isinstance(get_verifier("arith")(" 4", p), float)
+
+
+@pytest.mark.parametrize("completion,answer,expected", [
+    ("So she has 72 left.", "Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72", 1.0),  # a GSM8K solution
+    ("So she has 24 left.", "Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72", 0.0),  # 24 is in the work, not after ####
+    ("It costs $1,080.", "#### 1,080", 1.0),
+    ("43", 43.0, 1.0),                   # a JSON number as the reference (MAWPS "target": 43.0)
+    ("2.5 cups", 2.5, 1.0),
+    ("no number", "#### 5", 0.0),
+])
+def test_gsm8k_verifier_reads_the_answer_after_hashes(completion, answer, expected):
+    assert get_verifier("gsm8k")(completion, P(str(answer))) == expected
+
+
+def test_reward_fn_names_the_key():
+    from dsrl.registry import PluginError
+
+    class NoDefault:
+        default_verifier = None
+
+    with pytest.raises(PluginError, match=r"reward\.fn: prompt source .* names no default verifier"):
+        verifier_for_source(NoDefault())
+    with pytest.raises(PluginError, match=r"reward\.fn='nope'"):
+        verifier_for_source(NoDefault(), "nope")
+    assert verifier_for_source(NoDefault(), "gsm8k") is get_verifier("gsm8k")

@@ -1,0 +1,82 @@
+"""Hydra entry of the Tinker service: compose -> validate (before anything heavy) -> build -> serve.
+
+    python -m dsrl.serve +exp=tinker_service [serve.port=8001 serve.api_keys='[tml-secret-key]' ...]
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from dsrl.config.schema import register_configs
+
+log = logging.getLogger("dsrl")
+register_configs()
+
+
+def prepare(cfg_node: DictConfig, run_dir: str):
+    """Typed config, validated (general rules + serve.*) and hardware-resolved; the model folder.
+    Raises ConfigError listing every problem; nothing heavy has loaded by then."""
+    from dsrl import hardware
+    from dsrl.config.reuse import ConfigError
+    from dsrl.config.schema import to_config
+    from dsrl.config.validate import validate
+    from dsrl.serve.config import serve_errors
+    from dsrl.setup_assets import default_cache_dir, resolve_model_path
+
+    cfg = to_config(cfg_node)
+    validate(cfg)
+    errors = serve_errors(cfg)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    machine = hardware.probe(local_ranks=1)
+    decisions = hardware.decide(cfg, machine)
+    hardware.apply(cfg, decisions)
+    hardware.record_resolved(cfg_node, decisions)
+    log.info(hardware.describe(machine))
+    for d in decisions:
+        (log.warning if d.warning else log.info)(d.line())
+    cache = str(default_cache_dir())
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(cache, "torch_extensions"))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        model_path = resolve_model_path(cfg.model.path, cache)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    OmegaConf.save(cfg_node, os.path.join(run_dir, "config.yaml"), resolve=True)
+    return cfg, model_path
+
+
+@hydra.main(version_base=None, config_path="../../conf", config_name="config")
+def main(cfg_node: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from dsrl.config.reuse import ConfigError
+    from dsrl.tracking.console import adopt_library_loggers, setup_console
+
+    run_dir = HydraConfig.get().runtime.output_dir
+    setup_console(run_dir, verbose=bool(OmegaConf.select(cfg_node, "logger.verbose", default=False)))
+    try:
+        cfg, model_path = prepare(cfg_node, run_dir)
+    except ConfigError as e:
+        print(f"dsrl: {e}", file=sys.stderr)
+        sys.exit(2)
+    import torch
+
+    from dsrl.distributed.ports import free_port
+    from dsrl.serve.config import options_from_config
+    from dsrl.serve.server import build_service, serve_forever
+
+    adopt_library_loggers()
+    torch.set_num_threads(cfg.actor.num_threads)
+    opts = options_from_config(cfg, model_path, run_dir)
+    service = build_service(opts)
+    port = cfg.serve.port or free_port()
+    serve_forever(service, cfg.serve.api_keys, cfg.serve.host, port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""HTTP routes of the Tinker SDK 0.38 wire (tinker-protocol §2.7), all under ``/api/v1``.
+
+Every request must carry a configured key in ``X-API-Key`` (else 401). JSON bodies everywhere
+except forward/forward_backward (protobuf in) and the results of those and of sampling
+(protobuf out, from retrieve_future). A request the server cannot read at all gets 400 with
+``{"error", "category": "user"}``; a readable training request with bad contents gets a failed
+future instead, so that it still consumes its seq_id (tinker-protocol §2.6)."""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Iterable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from dsrl.serve.errors import UserError
+from dsrl.serve.futures import ProtoReply
+from dsrl.serve.service import Service
+
+log = logging.getLogger("dsrl.serve")
+PROTO = "application/x-protobuf"
+
+
+def _user_error(msg: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": msg, "category": "user"}, status_code=status)
+
+
+async def _json(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError as e:
+        raise UserError(f"{request.url.path}: body is not JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise UserError(f"{request.url.path}: body must be a JSON object")
+    return body
+
+
+def _decompress(request: Request, raw: bytes) -> bytes:
+    if request.headers.get("content-encoding", "").lower() == "zstd":
+        import zstandard
+
+        return zstandard.ZstdDecompressor().decompress(raw, max_output_size=1 << 31)
+    return raw
+
+
+def build_app(service: Service, api_keys: Iterable[str]) -> FastAPI:
+    keys = [k.encode() for k in api_keys]
+    app = FastAPI(title="dsrl Tinker service", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        given = request.headers.get("x-api-key", "").encode()
+        if not any(hmac.compare_digest(given, k) for k in keys):
+            return JSONResponse({"error": "missing or invalid API key (X-API-Key)", "category": "user"},
+                                status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(UserError)
+    async def user_error(request: Request, exc: UserError):
+        return _user_error(str(exc))
+
+    @app.exception_handler(KeyError)
+    async def not_found(request: Request, exc: KeyError):
+        return _user_error(f"{request.url.path}: not found: {exc}", status=404)
+
+    s = service
+    v1 = "/api/v1"
+
+    @app.post(f"{v1}/client/config")
+    async def client_config(request: Request):
+        return s.client_config()
+
+    @app.post(f"{v1}/client/dynamic_config")
+    async def dynamic_config(request: Request):
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    @app.get(f"{v1}/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get(f"{v1}/get_server_capabilities")
+    async def capabilities():
+        return s.capabilities()
+
+    @app.post(f"{v1}/create_session")
+    async def create_session(request: Request):
+        return s.create_session(await _json(request))
+
+    @app.post(f"{v1}/session_heartbeat")
+    async def heartbeat(request: Request):
+        body = await _json(request)
+        if not s.session_alive(body.get("session_id")):
+            return JSONResponse({"error": "session finished or unknown", "category": "user"}, status_code=410)
+        return {"type": "session_heartbeat"}
+
+    @app.post(f"{v1}/sessions/{{session_id}}/finish")
+    async def finish(session_id: str):
+        s.finish_session(session_id)
+        return {"status": "ok"}
+
+    @app.post(f"{v1}/telemetry")
+    async def telemetry(request: Request):
+        return {"status": "accepted"}
+
+    @app.post(f"{v1}/create_model")
+    async def create_model(request: Request):
+        return s.create_model(await _json(request))
+
+    @app.post(f"{v1}/get_info")
+    async def get_info(request: Request):
+        return s.get_info(await _json(request))
+
+    @app.post(f"{v1}/forward_backward")
+    async def forward_backward(request: Request):
+        return s.forward_backward(_decompress(request, await request.body()))
+
+    @app.post(f"{v1}/optim_step")
+    async def optim_step(request: Request):
+        return s.optim_step(await _json(request))
+
+    @app.post(f"{v1}/save_weights")
+    async def save_weights(request: Request):
+        return s.save_weights(await _json(request))
+
+    @app.post(f"{v1}/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request):
+        return s.save_weights_for_sampler(await _json(request))
+
+    @app.post(f"{v1}/load_weights")
+    async def load_weights(request: Request):
+        return s.load_weights(await _json(request))
+
+    @app.post(f"{v1}/create_sampling_session")
+    async def create_sampling_session(request: Request):
+        return s.create_sampling_session(await _json(request))
+
+    @app.get(f"{v1}/samplers/{{sampler_id}}")
+    async def get_sampler(sampler_id: str):
+        return s.get_sampler(sampler_id)
+
+    @app.post(f"{v1}/asample")
+    async def asample(request: Request):
+        return s.asample(await _json(request))
+
+    @app.post(f"{v1}/retrieve_future")
+    async def retrieve_future(request: Request):
+        body = await _json(request)
+        rid = body.get("request_id")
+        try:
+            reply = await s.futures.wait(rid, s.opts.long_poll_seconds)
+        except KeyError:
+            return JSONResponse({"error": f"unknown or expired request_id {rid!r}", "category": "user"},
+                                status_code=410)
+        if reply is None:
+            return {"type": "try_again", "request_id": rid, "queue_state": "active"}
+        if isinstance(reply, ProtoReply):
+            return Response(content=reply.body, media_type=PROTO)
+        return reply.body
+
+    return app

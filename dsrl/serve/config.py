@@ -1,0 +1,68 @@
+"""``serve.*`` checks (run with the project's `validate`, before anything heavy loads; every error
+names its key) and the translation of the typed config into `ServiceOptions`.
+
+What the service takes from the rest of the config: ``model.path`` (the base model; also its
+tokenizer, served offline), ``model.dtype`` / ``model.attn_implementation`` (trainer),
+``actor.zero_stage`` / ``actor.micro_batch_size`` / ``actor.stage3_param_persistence_threshold``
+(full-parameter clients' DeepSpeed engines), ``rollout.*`` (the sampler's vLLM engine)."""
+from __future__ import annotations
+
+import os
+from typing import List
+
+from dsrl.serve.service import ServiceOptions
+
+
+def serve_errors(cfg) -> List[str]:
+    """Problems with ``cfg.serve`` (a typed Config), each naming its key."""
+    s = cfg.serve
+    errors = []
+    if not isinstance(s.host, str) or not s.host:
+        errors.append("serve.host must be an interface address such as 127.0.0.1")
+    if not 0 <= int(s.port) <= 65535:
+        errors.append(f"serve.port={s.port} must be in [0, 65535]")
+    keys = list(s.api_keys or [])
+    if not keys:
+        errors.append("serve.api_keys is empty: every request must carry a key, give at least one (tml-...)")
+    for i, k in enumerate(keys):
+        if not isinstance(k, str) or not k.startswith("tml-") or len(k) < 8:
+            errors.append(f"serve.api_keys[{i}] must be a string starting with 'tml-' (the SDK refuses others), "
+                          f"at least 8 characters")
+    for key in ("max_lora_rank", "max_lora_slots", "max_chunk_datums", "max_merged_datums", "keep_sampler_snapshots"):
+        if int(getattr(s, key)) < 1:
+            errors.append(f"serve.{key}={getattr(s, key)} must be >= 1")
+    if s.lora_alpha <= 0:
+        errors.append(f"serve.lora_alpha={s.lora_alpha} must be > 0")
+    if not 1 <= s.long_poll_seconds <= 40:
+        errors.append(f"serve.long_poll_seconds={s.long_poll_seconds} must be in [1, 40] (the SDK gives up on a poll after 45 s)")
+    if s.model_name is not None and (":" in s.model_name or not s.model_name.strip()):
+        errors.append(f"serve.model_name={s.model_name!r} must be non-empty without ':' (the SDK cuts names at ':')")
+    for name, path in dict(s.custom_losses or {}).items():
+        if not isinstance(path, str) or "." not in path.replace(":", "."):
+            errors.append(f"serve.custom_losses.{name}={path!r} must be a dotted path 'pkg.module.fn'")
+    if errors:
+        return errors
+    from dsrl.serve.objectives import ObjectiveTable
+
+    try:  # load the custom losses now: a bad path fails here, naming its key
+        ObjectiveTable(s.custom_losses)
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def options_from_config(cfg, model_path: str, run_dir: "str | os.PathLike[str]") -> ServiceOptions:
+    """ServiceOptions of a validated, hardware-resolved typed config; ``model_path`` resolved."""
+    s, m, a, r = cfg.serve, cfg.model, cfg.actor, cfg.rollout
+    return ServiceOptions(
+        model_path=str(model_path), model_name=s.model_name or str(m.path),
+        checkpoint_dir=s.checkpoint_dir or os.path.join(str(run_dir), "checkpoints"),
+        dtype=m.dtype, attn_implementation=m.attn_implementation, zero_stage=a.zero_stage,
+        micro_batch_size=a.micro_batch_size, persistence_threshold=a.stage3_param_persistence_threshold,
+        lora_alpha=float(s.lora_alpha), max_lora_rank=int(s.max_lora_rank), max_lora_slots=int(s.max_lora_slots),
+        allow_full_parameter=bool(s.allow_full_parameter), max_chunk_datums=int(s.max_chunk_datums),
+        max_merged_datums=int(s.max_merged_datums), long_poll_seconds=float(s.long_poll_seconds),
+        custom_losses=dict(s.custom_losses or {}), keep_sampler_snapshots=int(s.keep_sampler_snapshots),
+        sampling=bool(s.sampling),
+        sampler=dict(dtype=r.dtype, seed=r.seed, max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
+                     gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=bool(r.enforce_eager)))

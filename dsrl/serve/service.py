@@ -1,0 +1,634 @@
+"""The Tinker service behind the HTTP routes: sessions, training clients, futures, checkpoints,
+sampling sessions. HTTP handlers call the public methods here; each returns the immediate JSON
+answer at once (a future's ``request_id`` for everything that computes) and never waits on the
+model. Compute runs on one thread (`Executor`), sampling on another.
+
+Ids (the SDK computes or parses some of them itself): session ``s-<hex>``; training client
+``<session>:train:<n>`` (n = the client's model_seq_id); sampling session
+``<session>:sample:<n>``; checkpoints ``tinker://<model id>/{weights|sampler_weights}/<name>``.
+
+Training clients: ``create_model`` with a LoRA config of rank >= 1 gets a slot of the shared
+LoRA pool (dsrl.serve.lora); rank 0 (or no lora_config) gets a full-parameter client with its
+own DeepSpeed engine (``serve.allow_full_parameter``)."""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from dsrl.actor.work_units import AdamParams
+from dsrl.serve.errors import UserError
+from dsrl.serve.executor import Executor, Op
+from dsrl.serve.futures import FutureStore, JsonReply, ProtoReply
+from dsrl.serve.objectives import ObjectiveTable
+from dsrl.serve.sequencer import Sequencer
+from dsrl.serve.store import CheckpointStore, check_name
+from dsrl.serve import wire
+
+log = logging.getLogger("dsrl.serve")
+
+
+@dataclass
+class ServiceOptions:
+    """Everything the service needs, resolved (see dsrl.serve.config for the config keys)."""
+
+    model_path: str  # base model HF folder
+    model_name: str  # the name clients pass as base_model
+    checkpoint_dir: str
+    dtype: str = "float32"
+    attn_implementation: str = "eager"
+    zero_stage: int = 0
+    micro_batch_size: int = 8
+    persistence_threshold: int = 10000
+    lora_alpha: float = 32.0
+    max_lora_rank: int = 128
+    max_lora_slots: int = 8
+    allow_full_parameter: bool = True
+    max_chunk_datums: int = 1024
+    max_merged_datums: int = 256
+    long_poll_seconds: float = 20.0
+    custom_losses: Dict[str, str] = field(default_factory=dict)
+    keep_sampler_snapshots: int = 2
+    sampling: bool = False
+    sampler: Dict[str, Any] = field(default_factory=dict)  # VllmSampler keyword arguments
+
+
+@dataclass
+class _Session:
+    session_id: str
+    finished: bool = False
+    models: List[str] = field(default_factory=list)
+
+
+@dataclass
+class _SamplingSession:
+    sampling_session_id: str
+    folder: Optional[str]  # None: the base model
+    model_path: Optional[str]  # tinker:// path it was created from (named checkpoints)
+
+
+def _get(body: dict, key: str, types, what: str, *, required: bool = True, default=None):
+    """body[key] checked against ``types`` (bool is not an int here); UserError names the field."""
+    if key not in body or body[key] is None:
+        if required:
+            raise UserError(f"{what}: missing field {key!r}")
+        return default
+    value = body[key]
+    allowed = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        raise UserError(f"{what}: field {key!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def parse_adam(body: dict) -> AdamParams:
+    """The optim_step request's AdamW settings; UserError names the field."""
+    if body.get("optimizer_params") is not None:
+        kind = body["optimizer_params"].get("type") if isinstance(body["optimizer_params"], dict) else None
+        raise UserError(f"optim_step: optimizer {kind!r} is not supported by this server (AdamW only)")
+    raw = body.get("adam_params", body.get("optim_params"))
+    if not isinstance(raw, dict):
+        raise UserError("optim_step: missing field 'adam_params'")
+    fields = {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"}
+    unknown = sorted(set(raw) - fields - {"type"})
+    if unknown:
+        raise UserError(f"optim_step: adam_params has unknown field(s) {unknown}")
+    p = AdamParams()
+    for k in fields:
+        if k in raw:
+            v = raw[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+                raise UserError(f"optim_step: adam_params.{k} must be a finite number, got {v!r}")
+            setattr(p, k, float(v))
+    checks = [(p.learning_rate >= 0, "learning_rate must be >= 0"), (0 <= p.beta1 < 1, "beta1 must be in [0, 1)"),
+              (0 <= p.beta2 < 1, "beta2 must be in [0, 1)"), (p.eps > 0, "eps must be > 0"),
+              (p.weight_decay >= 0, "weight_decay must be >= 0"), (p.grad_clip_norm >= 0, "grad_clip_norm must be >= 0")]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(f"optim_step: adam_params.{msg}")
+    return p
+
+
+class Service:
+    def __init__(self, opts: ServiceOptions, *, sampler=None):
+        from transformers import AutoConfig
+
+        self.opts = opts
+        self.hf_config = AutoConfig.from_pretrained(opts.model_path)
+        self.objectives = ObjectiveTable(opts.custom_losses)
+        self.store = CheckpointStore(opts.checkpoint_dir)
+        self.futures = FutureStore()
+        self.executor = Executor(self._run_batch, max_batch_size=opts.max_merged_datums)
+        self.sequencer = Sequencer(self.executor.put)
+        self.sampler = sampler
+        self.sample_executor = Executor(self._run_samples, max_batch_size=64, name="sample") if sampler else None
+        self.sessions: Dict[str, _Session] = {}
+        self.models: Dict[str, Any] = {}  # model id -> FullModel | LoraSlot (compute thread writes)
+        self.model_meta: Dict[str, dict] = {}  # model id -> get_info data (set at create_model)
+        self.sampling_sessions: Dict[str, _SamplingSession] = {}
+        self._created: Dict[Tuple[str, int], str] = {}  # (session, model_seq_id) -> create request id
+        self._samples: Dict[Tuple[str, int], Tuple[str, list]] = {}  # (sampler, seq_id) -> (rid, ids)
+        self._ephemeral: Dict[str, List[Path]] = {}  # model id -> ephemeral sampler folders (oldest first)
+        self._pool = None  # LoraPool, built with the first LoRA client
+        self._lock = threading.Lock()
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(opts.model_path)
+        self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0))
+
+    # ================================================================== session-level (sync)
+    def client_config(self) -> dict:
+        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
+                "parallel_fwdbwd_chunks": True, "fwdbwd_max_chunk_len": int(self.opts.max_chunk_datums),
+                "custom_loss_server_side": False, "sample_use_retrieve_futures": False,
+                "sample_join_sampling_session": False}
+
+    def create_session(self, body: dict) -> dict:
+        sid = f"s-{uuid.uuid4().hex[:16]}"
+        with self._lock:
+            self.sessions[sid] = _Session(sid)
+        return {"type": "create_session", "session_id": sid}
+
+    def session_alive(self, session_id: str) -> bool:
+        s = self.sessions.get(session_id)
+        return s is not None and not s.finished
+
+    def finish_session(self, session_id: str) -> None:
+        """Mark the session finished and free its training clients (after their queued work)."""
+        with self._lock:
+            s = self.sessions.get(session_id)
+            if s is None or s.finished:
+                return
+            s.finished = True
+            models = list(s.models)
+        for mid in models:
+            self.sequencer.close(mid)
+            self.executor.put([Op("release", mid, "", payload=None)])
+
+    def capabilities(self) -> dict:
+        return {"supported_models": [{"model_name": self.opts.model_name, "trainable": True,
+                                      "sampleable": self.sampler is not None,
+                                      "max_context_length": int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)}]}
+
+    def _session(self, session_id: Any, what: str) -> _Session:
+        s = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if s is None:
+            raise UserError(f"{what}: unknown session_id {session_id!r}")
+        if s.finished:
+            raise UserError(f"{what}: session {session_id!r} has finished")
+        return s
+
+    # ================================================================== training clients
+    def _check_base(self, base_model: Optional[str], what: str) -> None:
+        if base_model is not None and base_model not in (self.opts.model_name, self.opts.model_path):
+            raise UserError(f"{what}: base_model {base_model!r} is not served here; this server trains "
+                            f"{self.opts.model_name!r}")
+
+    def _lora_spec(self, lora: Optional[dict], what: str):
+        from dsrl.serve.lora import LoraSpec
+
+        if lora is None:
+            return None
+        if not isinstance(lora, dict):
+            raise UserError(f"{what}: lora_config must be an object")
+        rank = lora.get("rank")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise UserError(f"{what}: lora_config.rank must be an integer >= 0 (0 = full-parameter training)")
+        if rank == 0:
+            return None
+        if rank > self.opts.max_lora_rank:
+            raise UserError(f"{what}: lora_config.rank={rank} exceeds serve.max_lora_rank={self.opts.max_lora_rank}")
+        flags = {k: lora.get(k, True) for k in ("train_attn", "train_mlp", "train_unembed")}
+        for k, v in flags.items():
+            if not isinstance(v, bool):
+                raise UserError(f"{what}: lora_config.{k} must be true or false")
+        if not any(flags.values()):
+            raise UserError(f"{what}: lora_config trains nothing (train_attn, train_mlp and train_unembed all false)")
+        seed = lora.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise UserError(f"{what}: lora_config.seed must be an integer")
+        return LoraSpec(rank=rank, alpha=float(self.opts.lora_alpha), seed=seed, **flags)
+
+    def _check_optimizer(self, cfg: Any, what: str) -> None:
+        if cfg is not None and (not isinstance(cfg, dict) or cfg.get("type", "adamw") != "adamw"):
+            raise UserError(f"{what}: optimizer_config {cfg!r} is not supported (AdamW only)")
+
+    def _register_model(self, session: _Session, model_seq_id: Any, what: str) -> Tuple[str, Optional[str]]:
+        """The model id of (session, model_seq_id) and, for a retried create, its first request id."""
+        if isinstance(model_seq_id, bool) or not isinstance(model_seq_id, int) or model_seq_id < 0:
+            raise UserError(f"{what}: model_seq_id must be an integer >= 0")
+        model_id = f"{session.session_id}:train:{model_seq_id}"
+        key = (session.session_id, model_seq_id)
+        return model_id, self._created.get(key)
+
+    def create_model(self, body: dict) -> dict:
+        what = "create_model"
+        session = self._session(body.get("session_id"), what)
+        model_id, previous = self._register_model(session, body.get("model_seq_id"), what)
+        if previous is not None:
+            return {"request_id": previous, "model_id": model_id}
+        self._check_base(_get(body, "base_model", str, what), what)
+        self._check_optimizer(body.get("optimizer_config"), what)
+        spec = self._lora_spec(body.get("lora_config"), what)
+        self._check_capacity(spec, what)
+        return self._start_model(session, model_id, spec, body.get("user_metadata"), load=None)
+
+    def _check_capacity(self, spec, what: str) -> None:
+        if spec is None and not self.opts.allow_full_parameter:
+            raise UserError(f"{what}: full-parameter clients are disabled (serve.allow_full_parameter=false); "
+                            f"ask for a LoRA rank >= 1")
+        if spec is not None:
+            n_lora = sum(1 for m in self.model_meta.values() if m["is_lora"] and not m.get("released"))
+            if n_lora >= self.opts.max_lora_slots:
+                raise UserError(f"{what}: all {self.opts.max_lora_slots} LoRA slots are in use (serve.max_lora_slots)")
+
+    def _start_model(self, session: _Session, model_id: str, spec, user_metadata, load) -> dict:
+        rid = self.futures.create()
+        with self._lock:
+            self._created[(session.session_id, int(model_id.rsplit(":", 1)[1]))] = rid
+            session.models.append(model_id)
+            self.model_meta[model_id] = {"is_lora": spec is not None, "lora_rank": spec.rank if spec else 0,
+                                         "user_metadata": user_metadata or {}}
+        self.sequencer.open(model_id, first_seq=1)
+        self.executor.put([Op("create", model_id, rid, payload=(spec, load))])
+        return {"request_id": rid, "model_id": model_id}
+
+    def get_info(self, body: dict) -> dict:
+        model_id = _get(body, "model_id", str, "get_info")
+        meta = self.model_meta.get(model_id)
+        if meta is None:
+            raise UserError(f"get_info: unknown model_id {model_id!r}")
+        arch = (getattr(self.hf_config, "architectures", None) or [self.hf_config.model_type])[0]
+        return {"type": "get_info", "model_id": model_id, "is_lora": meta["is_lora"],
+                "lora_rank": meta["lora_rank"] or None, "model_name": self.opts.model_name,
+                "optimizer_config": {"type": "adamw"},
+                "model_data": {"arch": arch, "model_name": self.opts.model_name, "tokenizer_id": self.opts.model_path}}
+
+    # ------------------------------------------------------------------ sequenced requests
+    def _sequenced(self, model_id: Any, seq_id: Any, what: str, make_op) -> dict:
+        """Submit one ordered request; always answers with a future (a bad one fails)."""
+        if not isinstance(model_id, str) or model_id not in self.model_meta:
+            raise UserError(f"{what}: unknown model_id {model_id!r}")
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+            raise UserError(f"{what}: seq_id must be an integer")
+        if not self.sequencer.is_open(model_id):
+            raise UserError(f"{what}: training client {model_id!r} was released")
+        try:
+            rid, _ = self.sequencer.submit(model_id, seq_id, self.futures.create, make_op)
+        except ValueError as e:
+            rid = self.futures.create()
+            self.futures.fail(rid, UserError(f"{what}: {e}"))
+        except KeyError:
+            raise UserError(f"{what}: training client {model_id!r} was released") from None
+        return {"request_id": rid, "model_id": model_id}
+
+    @staticmethod
+    def _checked(what: str, make):
+        """make_op that turns a UserError raised while building the op into a failed op (the
+        request still consumes its seq_id, so the client's later requests are not stuck)."""
+        def make_op(rid):
+            try:
+                return make(rid)
+            except UserError as e:
+                return Op("fail", "", rid, payload=e)
+        return make_op
+
+    def forward_backward(self, body: bytes) -> dict:
+        call = wire.decode_forward_backward(body)  # UserError: unreadable proto (no seq_id to consume)
+        what = "forward" if call.forward_only else "forward_backward"
+
+        def make(rid):
+            if call.error is not None:
+                raise call.error
+            obj = self.objectives.resolve(call.loss_fn, call.loss_fn_config)
+            model_key = None
+            meta_group = ("lora",) if self.model_meta[call.model_id]["is_lora"] else ("full", call.model_id)
+            if obj.merge_key is not None:
+                model_key = ("fwdbwd", meta_group, obj.merge_key, call.forward_only)
+            return Op("fwdbwd", call.model_id, rid, payload=(obj, call.forward_only, call.data, call.loss_fn),
+                      merge_key=model_key, size=max(1, len(call.data)))
+        return self._sequenced(call.model_id, call.seq_id, what, self._checked(what, make))
+
+    def optim_step(self, body: dict) -> dict:
+        model_id = body.get("model_id")
+
+        def make(rid):
+            params = parse_adam(body)
+            key = ("optim", "lora") if self.model_meta[model_id]["is_lora"] else None
+            return Op("optim", model_id, rid, payload=params, merge_key=key)
+        return self._sequenced(model_id, body.get("seq_id"), "optim_step", self._checked("optim_step", make))
+
+    def save_weights(self, body: dict) -> dict:
+        model_id = body.get("model_id")
+
+        def make(rid):
+            name = check_name(_get(body, "path", str, "save_weights"), "save_weights: path")
+            return Op("save_state", model_id, rid, payload=(name, bool(body.get("overwrite", False)),
+                                                            body.get("user_metadata")))
+        return self._sequenced(model_id, body.get("seq_id"), "save_weights", self._checked("save_weights", make))
+
+    def save_weights_for_sampler(self, body: dict) -> dict:
+        model_id = body.get("model_id")
+        what = "save_weights_for_sampler"
+
+        def make(rid):
+            name = body.get("path")
+            if name is not None:
+                check_name(name, f"{what}: path")
+                return Op("save_sampler", model_id, rid, payload=("named", name))
+            n = _get(body, "sampling_session_seq_id", int, what)
+            return Op("save_sampler", model_id, rid, payload=("ephemeral", n))
+        return self._sequenced(model_id, body.get("seq_id"), what, self._checked(what, make))
+
+    def load_weights(self, body: dict) -> dict:
+        what = "load_weights"
+        optimizer = _get(body, "optimizer", bool, what, required=False, default=False)
+        if body.get("session_id") is not None:  # create-via-load: the new client's first request
+            session = self._session(body.get("session_id"), what)
+            model_id, previous = self._register_model(session, body.get("model_seq_id"), what)
+            if previous is not None:
+                return {"request_id": previous, "model_id": model_id}
+            self._check_base(body.get("base_model"), what)
+            self._check_optimizer(body.get("optimizer_config"), what)
+            ckpt = self.store.resolve(_get(body, "path", str, what), "weights")
+            spec = self._lora_spec(ckpt.meta.get("lora_config"), what) if ckpt.meta.get("is_lora") else None
+            self._check_capacity(spec, what)
+            return self._start_model(session, model_id, spec, body.get("user_metadata"), load=(ckpt, optimizer))
+        model_id = body.get("model_id")
+
+        def make(rid):
+            ckpt = self.store.resolve(_get(body, "path", str, what), "weights")
+            return Op("load_state", model_id, rid, payload=(ckpt, optimizer))
+        return self._sequenced(model_id, body.get("seq_id"), what, self._checked(what, make))
+
+    # ================================================================== sampling (sync part)
+    def create_sampling_session(self, body: dict) -> dict:
+        what = "create_sampling_session"
+        session = self._session(body.get("session_id"), what)
+        n = _get(body, "sampling_session_seq_id", int, what)
+        sid = f"{session.session_id}:sample:{n}"
+        path = body.get("model_path")
+        if path is not None:
+            ckpt = self.store.resolve(path, "sampler_weights")
+            folder = str(ckpt.folder)
+        else:
+            self._check_base(_get(body, "base_model", str, what), what)
+            folder = None
+        with self._lock:
+            self.sampling_sessions.setdefault(sid, _SamplingSession(sid, folder, path))
+        return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    def get_sampler(self, sampler_id: str) -> dict:
+        s = self.sampling_sessions.get(sampler_id)
+        if s is None:
+            raise KeyError(sampler_id)
+        out = {"sampler_id": sampler_id, "base_model": self.opts.model_name}
+        if s.model_path:
+            out["model_path"] = s.model_path
+        return out
+
+    def asample(self, body: dict) -> dict:
+        from dsrl.serve.sampler import SampleJob, parse_sampling_params
+
+        what = "asample"
+        sid = _get(body, "sampling_session_id", str, what)
+        seq_id = _get(body, "seq_id", int, what)
+        with self._lock:
+            prior = self._samples.get((sid, seq_id))
+        if prior is not None:
+            return {"request_id": prior[0], "sample_sequence_ids": prior[1]}
+        n = _get(body, "num_samples", int, what, required=False, default=1)
+        if n < 1:
+            raise UserError(f"{what}: num_samples must be >= 1")
+        rid = self.futures.create()
+        ids = [f"{sid}:{seq_id}:{i}" for i in range(n)]
+        with self._lock:
+            self._samples[(sid, seq_id)] = (rid, ids)
+        try:
+            if self.sampler is None:
+                raise UserError(f"{what}: sampling is disabled on this server (serve.sampling=false)")
+            session = self.sampling_sessions.get(sid)
+            if session is None:
+                raise UserError(f"{what}: unknown sampling_session_id {sid!r}")
+            for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+                if body.get(key):
+                    raise UserError(f"{what}: {key} is not supported by this server")
+            if body.get("target_prompt_logprobs") is not None:
+                raise UserError(f"{what}: target_prompt_logprobs is not supported by this server")
+            job = SampleJob(prompt=self._prompt_tokens(body.get("prompt")), num_samples=n,
+                            prompt_logprobs=bool(body.get("prompt_logprobs") or False),
+                            prompt_logprobs_last_n=body.get("prompt_logprobs_last_n"),
+                            **parse_sampling_params(body.get("sampling_params") or {}))
+            self.sample_executor.put([Op("sample", rid, rid, payload=job, merge_key=("sample", session.folder),
+                                         size=n)])
+        except UserError as e:
+            self.futures.fail(rid, e)
+        return {"request_id": rid, "sample_sequence_ids": ids}
+
+    def _prompt_tokens(self, prompt: Any) -> List[int]:
+        if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
+            raise UserError("asample: prompt must be {'chunks': [...]}")
+        tokens: List[int] = []
+        vocab = int(self.hf_config.vocab_size)
+        for j, chunk in enumerate(prompt["chunks"]):
+            if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+                raise UserError(f"asample: prompt chunk {j} is not encoded_text")
+            toks = chunk.get("tokens")
+            if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+                raise UserError(f"asample: prompt chunk {j}: tokens must be a list of integers")
+            bad = [t for t in toks if t < 0 or t >= vocab]
+            if bad:
+                raise UserError(f"asample: prompt chunk {j}: token id {bad[0]} out of range [0, {vocab})")
+            tokens.extend(toks)
+        if not tokens:
+            raise UserError("asample: prompt is empty")
+        return tokens
+
+    # ================================================================== compute thread
+    def _run_batch(self, batch: List[Op]) -> None:
+        kind = batch[0].kind
+        try:
+            getattr(self, f"_do_{kind}")(batch)
+        except Exception as e:  # each op's future fails; the server keeps serving
+            if not isinstance(e, UserError):
+                log.exception("serve: %s failed", kind)
+            for op in batch:
+                if op.request_id and not self.futures.done(op.request_id):
+                    self.futures.fail(op.request_id, e)
+
+    def _model(self, model_id: str):
+        model = self.models.get(model_id)
+        if model is None:
+            raise UserError(f"training client {model_id!r} does not exist (failed to build or released)")
+        return model
+
+    def _do_fail(self, batch: List[Op]) -> None:
+        for op in batch:
+            self.futures.fail(op.request_id, op.payload)
+
+    def _do_create(self, batch: List[Op]) -> None:
+        (op,) = batch
+        spec, load = op.payload
+        model = self._build_model(op.lane, spec)
+        self.models[op.lane] = model
+        if load is not None:
+            ckpt, optimizer = load
+            self._load_into(model, ckpt, optimizer)
+            self.futures.resolve(op.request_id, JsonReply({"type": "load_weights", "path": ckpt.tinker_path,
+                                                           "model_id": op.lane}))
+        else:
+            self.futures.resolve(op.request_id, JsonReply({"type": "create_model", "model_id": op.lane}))
+
+    def _build_model(self, model_id: str, spec):
+        o = self.opts
+        if spec is None:
+            from dsrl.serve.full_model import build_full_model
+
+            return build_full_model(model_id, o.model_path, zero_stage=o.zero_stage, dtype=o.dtype,
+                                    attn_implementation=o.attn_implementation, micro_batch_size=o.micro_batch_size,
+                                    pad_id=self.pad_id, persistence_threshold=o.persistence_threshold)
+        import torch
+
+        from dsrl.serve.lora import LoraPool, LoraSlot
+
+        if self._pool is None:
+            self._pool = LoraPool(o.model_path, dtype=getattr(torch, o.dtype), attn_implementation=o.attn_implementation,
+                                  micro_batch_size=o.micro_batch_size, pad_id=self.pad_id)
+        tag = "slot_" + model_id.replace(":", "_").replace("-", "_")
+        self._pool.add_slot(tag, spec)
+        return LoraSlot(model_id, self._pool, tag, spec)
+
+    def _do_release(self, batch: List[Op]) -> None:
+        for op in batch:
+            model = self.models.pop(op.lane, None)
+            if model is not None:
+                model.release()
+            meta = self.model_meta.get(op.lane)
+            if meta is not None:
+                meta["released"] = True
+            for folder in self._ephemeral.pop(op.lane, []):
+                _remove_tree(folder)
+
+    def _do_fwdbwd(self, batch: List[Op]) -> None:
+        """One forward (and backward) for every request of the batch; each request gets its own
+        datums' outputs and loss:sum. A request whose datums fail validation fails alone."""
+        models = [self._model(op.lane) for op in batch]
+        session = models[0].session
+        obj, forward_only, _, loss_fn = batch[0].payload
+        what = "forward" if forward_only else "forward_backward"
+        prepared, owners, tags, ok = [], [], [], []
+        for i, (op, model) in enumerate(zip(batch, models)):
+            try:
+                items = session.validate(op.payload[2], loss_fn, required=op.payload[0].required)
+            except ValueError as e:
+                self.futures.fail(op.request_id, UserError(f"{what}: {e}"))
+                continue
+            ok.append(i)
+            prepared.extend(items)
+            owners.extend([i] * len(items))
+            tags.extend([model.tag] * len(items))
+        if not ok:
+            return
+        out = session.run_prepared(prepared, obj.spec, obj.config, forward_only=forward_only,
+                                   tags=tags if models[0].tag is not None else None)
+        for i in ok:
+            outs = [o for o, who in zip(out.loss_fn_outputs, owners) if who == i]
+            if len(ok) == 1:
+                loss_sum = float(out.metrics["loss:sum"])
+            else:  # a merged batch: this request's share, from its datums' per-token losses
+                loss_sum = float(sum(o["elementwise_loss"].double().sum() for o in outs))
+            reply = wire.encode_forward_backward_output(outs, {"loss:sum": loss_sum})
+            self.futures.resolve(batch[i].request_id, ProtoReply(reply))
+
+    def _do_optim(self, batch: List[Op]) -> None:
+        models = [self._model(op.lane) for op in batch]
+        if len(batch) == 1:
+            metrics = {batch[0].request_id: models[0].optim_step(batch[0].payload)}
+        else:  # several LoRA slots: one merged optimizer step, each slot clipped on its own
+            pool = models[0].pool
+            per_tag = pool.step({m.tag: op.payload for m, op in zip(models, batch)})
+            metrics = {op.request_id: per_tag[m.tag] for m, op in zip(models, batch)}
+        for op in batch:
+            self.futures.resolve(op.request_id, JsonReply({"type": "optim_step", "metrics": metrics[op.request_id]}))
+
+    def _meta_for(self, model_id: str, model) -> dict:
+        return {"model_id": model_id, "base_model": self.opts.model_name, "is_lora": bool(model.is_lora),
+                "lora_config": model.lora_config, "has_optimizer": True}
+
+    def _do_save_state(self, batch: List[Op]) -> None:
+        (op,) = batch
+        model = self._model(op.lane)
+        name, overwrite, user_metadata = op.payload
+        meta = dict(self._meta_for(op.lane, model), user_metadata=user_metadata or {})
+        ckpt = self.store.write(op.lane, "weights", name, meta, lambda d: model.save_state(d), overwrite=overwrite)
+        self.futures.resolve(op.request_id, JsonReply({"type": "save_weights", "path": ckpt.tinker_path}))
+
+    def _load_into(self, model, ckpt, optimizer: bool) -> None:
+        if bool(ckpt.meta.get("is_lora")) != bool(model.is_lora):
+            raise UserError(f"load_weights: {ckpt.tinker_path} holds a {'LoRA' if ckpt.meta.get('is_lora') else 'full'} "
+                            f"state; this client is {'LoRA' if model.is_lora else 'full-parameter'}")
+        if model.is_lora and ckpt.meta.get("lora_config", {}).get("rank") != model.lora_rank:
+            raise UserError(f"load_weights: {ckpt.tinker_path} has LoRA rank {ckpt.meta['lora_config'].get('rank')}, "
+                            f"this client {model.lora_rank}")
+        model.load_state(ckpt.folder, optimizer=optimizer)
+
+    def _do_load_state(self, batch: List[Op]) -> None:
+        (op,) = batch
+        ckpt, optimizer = op.payload
+        self._load_into(self._model(op.lane), ckpt, optimizer)
+        self.futures.resolve(op.request_id, JsonReply({"type": "load_weights", "path": ckpt.tinker_path,
+                                                       "model_id": op.lane}))
+
+    def _do_save_sampler(self, batch: List[Op]) -> None:
+        (op,) = batch
+        model = self._model(op.lane)
+        mode, arg = op.payload
+        meta = self._meta_for(op.lane, model)
+        if mode == "named":
+            ckpt = self.store.write(op.lane, "sampler_weights", arg, meta, model.export_sampler)
+            self.futures.resolve(op.request_id, JsonReply({"type": "save_weights_for_sampler", "path": ckpt.tinker_path}))
+            return
+        session_id = op.lane.split(":train:")[0]
+        sid = f"{session_id}:sample:{arg}"
+        ckpt = self.store.write(op.lane, "sampler_weights", f"ephemeral-{arg}", meta, model.export_sampler,
+                                overwrite=True)
+        with self._lock:
+            self.sampling_sessions[sid] = _SamplingSession(sid, str(ckpt.folder), None)
+            kept = self._ephemeral.setdefault(op.lane, [])
+            kept.append(ckpt.folder)
+            old = kept[:-self.opts.keep_sampler_snapshots] if len(kept) > self.opts.keep_sampler_snapshots else []
+            del kept[:len(old)]
+        for folder in old:
+            _remove_tree(folder)
+        self.futures.resolve(op.request_id, JsonReply({"type": "save_weights_for_sampler", "sampling_session_id": sid}))
+
+    # ================================================================== sampling thread
+    def _run_samples(self, batch: List[Op]) -> None:
+        try:
+            self.sampler.use_weights(batch[0].merge_key[1])  # all ops of a batch share one weights folder
+            results = self.sampler.generate([op.payload for op in batch])
+        except Exception as e:
+            if not isinstance(e, UserError):
+                log.exception("serve: sampling failed")
+            for op in batch:
+                self.futures.fail(op.request_id, e)
+            return
+        for op, (seqs, prompt_lps) in zip(batch, results):
+            self.futures.resolve(op.request_id, ProtoReply(wire.encode_sample_response(seqs, prompt_lps)))
+
+    # ================================================================== lifecycle
+    def close(self) -> None:
+        self.executor.stop()
+        if self.sample_executor is not None:
+            self.sample_executor.stop()
+        if self.sampler is not None:
+            self.sampler.close()
+
+
+def _remove_tree(folder) -> None:
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,301 @@
+"""Fast checks of the service's parts without a server: the protobuf wire against the SDK's own
+encoder/decoder (an independent implementation), clear errors for malformed payloads, per-client
+seq_id order and retry de-duplication, the compute thread's merge rule, long-poll futures, the
+tinker:// store, and the multi-LoRA pool's merged optimizer step with per-slot clipping."""
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from dsrl.serve import wire
+from dsrl.serve.errors import UserError
+
+
+def _sdk_request(data, loss_fn="ppo", config=None, seq_id=3, forward_only=False):
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    req = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config),
+        model_id="s-x:train:0", seq_id=seq_id)
+    msg = forward_backward_request_to_proto(req)
+    msg.forward_only = forward_only
+    return msg
+
+
+# ------------------------------------------------------------------------------ wire
+def test_decode_sdk_request_dense_sparse_and_config():
+    from tinker import types
+
+    d1 = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                     loss_fn_inputs={"target_tokens": [1, 2, 3], "weights": [0.5, 1.0, -2.0]})
+    sparse = torch.zeros(3, 8)
+    sparse[0, 3], sparse[1, 0] = 3.0, 4.0
+    d2 = types.Datum(model_input=types.ModelInput.from_ints([9, 8, 7]),
+                     loss_fn_inputs={"target_tokens": types.TensorData.from_torch(torch.arange(24).reshape(3, 8)),
+                                     "weights": types.TensorData.from_torch_sparse(sparse)})
+    assert d2.loss_fn_inputs["weights"].sparse_crow_indices is not None  # really sent as CSR
+    body = _sdk_request([d1, d2], "ppo", {"clip_low_threshold": 0.7, "loss_id": "abc"}, forward_only=True)
+    call = wire.decode_forward_backward(body.SerializeToString())
+    assert (call.model_id, call.seq_id, call.loss_fn, call.forward_only) == ("s-x:train:0", 3, "ppo", True)
+    assert call.loss_fn_config == {"clip_low_threshold": 0.7, "loss_id": "abc"}  # v2: numbers and text
+    assert call.error is None
+    assert call.data[0].model_input.tolist() == [5, 6, 7]
+    assert call.data[0].loss_fn_inputs["weights"].tolist() == [0.5, 1.0, -2.0]
+    assert call.data[0].loss_fn_inputs["target_tokens"].dtype == torch.int64
+    assert torch.equal(call.data[1].loss_fn_inputs["weights"], sparse)
+    assert torch.equal(call.data[1].loss_fn_inputs["target_tokens"], torch.arange(24).reshape(3, 8))
+
+
+def test_encoded_outputs_decode_with_the_sdk():
+    from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
+
+    outs = [{"logprobs": torch.tensor([-1.0, -2.5]), "elementwise_loss": torch.tensor([0.5, 0.25])},
+            {"logprobs": torch.tensor([-3.0]), "elementwise_loss": torch.tensor([1.0])}]
+    got = deserialize_forward_backward_output(wire.encode_forward_backward_output(outs, {"loss:sum": 1.75}))
+    assert got.metrics == {"loss:sum": 1.75}
+    assert [o["logprobs"].tolist() for o in got.loss_fn_outputs] == [[-1.0, -2.5], [-3.0]]
+    assert [o["elementwise_loss"].tolist() for o in got.loss_fn_outputs] == [[0.5, 0.25], [1.0]]
+    empty = deserialize_forward_backward_output(wire.encode_forward_backward_output([], {"loss:sum": 0.0}))
+    assert empty.loss_fn_outputs == []
+    seqs = [wire.SampledSequence([4, 2], [-0.5, -0.25], True), wire.SampledSequence([7], [-1.5], False)]
+    sr = deserialize_sample_response(wire.encode_sample_response(seqs, [None, -1.0, -2.0]))
+    assert [s.tokens for s in sr.sequences] == [[4, 2], [7]]
+    assert [s.stop_reason for s in sr.sequences] == ["stop", "length"]
+    assert sr.sequences[0].logprobs == [-0.5, -0.25]
+    assert sr.prompt_logprobs == [None, -1.0, -2.0]
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda m: setattr(m.data[1].loss_fn_inputs["weights"], "dense", b"\x00" * 7),
+     "datum 1: loss_fn_inputs['weights']: 7 bytes is not a whole number of float32 values"),
+    (lambda m: m.data[0].loss_fn_inputs["weights"].shape.extend([5]),
+     "datum 0: loss_fn_inputs['weights']: shape [5] needs 5 values, the data has 3"),
+    (lambda m: setattr(m.data[0].loss_fn_inputs["weights"], "dtype", 0),
+     "datum 0: loss_fn_inputs['weights']: unsupported dtype unspecified"),
+    (lambda m: setattr(m.data[1].model_input[0].encoded_text, "tokens", b"\x01\x00\x00"),
+     "datum 1: model_input chunk 0: 3 bytes is not a whole number of int32 tokens"),
+])
+def test_malformed_datum_is_a_user_error_naming_datum_and_field(mutate, needle):
+    from tinker import types
+
+    data = [types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                        loss_fn_inputs={"target_tokens": [1, 2, 3], "weights": [1.0, 1.0, 1.0]}) for _ in range(2)]
+    msg = _sdk_request(data, "cross_entropy")
+    del msg.data[0].loss_fn_inputs["weights"].shape[:]
+    mutate(msg)
+    call = wire.decode_forward_backward(msg.SerializeToString())
+    assert call.seq_id == 3 and call.data == []  # envelope readable: the request can still consume seq 3
+    assert needle in str(call.error)
+
+
+def test_image_chunk_rejected_and_garbage_unreadable():
+    msg = wire.ForwardBackwardRequestProto(model_id="m", seq_id=1, loss_fn="cross_entropy")
+    msg.data.add().model_input.add().image.SetInParent()
+    call = wire.decode_forward_backward(msg.SerializeToString())
+    assert "datum 0: model_input chunk 0 is image" in str(call.error)
+    with pytest.raises(UserError, match="not a ForwardBackwardRequest protobuf"):
+        wire.decode_forward_backward(b"\xff\xff\xff garbage")
+
+
+# ------------------------------------------------------------------------------ order, futures, store
+def test_sequencer_orders_buffers_and_deduplicates():
+    from dsrl.serve.sequencer import Sequencer
+
+    ran = []
+    seq = Sequencer(lambda ops: ran.extend(ops))
+    seq.open("m")
+    ids = iter(f"r{i}" for i in range(100))
+    new = lambda: next(ids)  # noqa: E731
+    r3, fresh3 = seq.submit("m", 3, new, lambda rid: ("op3", rid))
+    r2, _ = seq.submit("m", 2, new, lambda rid: ("op2", rid))
+    assert ran == [] and seq.waiting("m") == [2, 3]  # nothing runs before seq 1
+    again, fresh = seq.submit("m", 3, new, lambda rid: ("dup", rid))
+    assert (again, fresh, fresh3) == (r3, False, True)  # a retry gets the original id
+    r1, _ = seq.submit("m", 1, new, lambda rid: ("op1", rid))
+    assert [op for op, _ in ran] == ["op1", "op2", "op3"]
+    assert seq.submit("m", 2, new, lambda rid: ("late dup", rid)) == (r2, False)
+    assert [op for op, _ in ran] == ["op1", "op2", "op3"]
+    with pytest.raises(KeyError):
+        seq.submit("unknown", 1, new, lambda rid: rid)
+
+
+def test_executor_merges_without_reordering_a_client():
+    import threading
+
+    from dsrl.serve.executor import Executor, Op
+
+    gate, batches = threading.Event(), []
+
+    def run(batch):
+        gate.wait(5)
+        batches.append([op.request_id for op in batch])
+
+    ex = Executor(run, max_batch_size=100)
+    ex.put([Op("x", "blocker", "b0")])  # holds the thread while the queue fills
+    ex.put([Op("fwd", "A", "a1", merge_key="k"), Op("fwd", "B", "b1", merge_key="k"),
+            Op("step", "A", "a2", merge_key="s"), Op("fwd", "A", "a3", merge_key="k"),
+            Op("fwd", "C", "c1", merge_key="k"), Op("step", "B", "b2", merge_key="s")])
+    gate.set()
+    assert ex.idle(5)
+    ex.stop()
+    # a3 may not jump over a2 (same client); C's and B's requests may join A's forward.
+    assert batches == [["b0"], ["a1", "b1", "c1"], ["a2", "b2"], ["a3"]]
+
+
+def test_future_long_poll_returns_when_set_or_times_out():
+    import threading
+
+    from dsrl.serve.futures import FutureStore, JsonReply
+
+    store = FutureStore()
+    rid = store.create()
+    assert asyncio.run(store.wait(rid, 0.05)) is None  # not ready: the HTTP layer answers try_again
+    threading.Timer(0.1, lambda: store.resolve(rid, JsonReply({"ok": 1}))).start()
+    assert asyncio.run(store.wait(rid, 5.0)) == JsonReply({"ok": 1})
+    assert not store.done(store.create())
+    with pytest.raises(KeyError):
+        asyncio.run(store.wait("req-unknown", 0.01))
+
+
+def test_checkpoint_store_paths_and_errors(tmp_path):
+    from dsrl.serve.store import CheckpointStore
+
+    store = CheckpointStore(tmp_path)
+    ck = store.write("s-1:train:0", "weights", "step1", {"is_lora": True}, lambda d: (d / "x.bin").write_bytes(b"1"))
+    assert ck.tinker_path == "tinker://s-1:train:0/weights/step1"
+    assert store.resolve(ck.tinker_path).meta == {"is_lora": True}
+    with pytest.raises(UserError, match="already exists"):
+        store.write("s-1:train:0", "weights", "step1", {}, lambda d: None)
+    with pytest.raises(UserError, match="does not exist"):
+        store.resolve("tinker://s-1:train:0/weights/step2")
+    with pytest.raises(UserError, match="needs sampler_weights"):
+        store.resolve(ck.tinker_path, "sampler_weights")
+    for bad in ("file:///etc/passwd", "tinker://a/b", "tinker://run/weights/../x", "tinker://run/other/x"):
+        with pytest.raises(UserError):
+            store.resolve(bad)
+    with pytest.raises(UserError, match="checkpoint name"):
+        store.write("s-1:train:0", "weights", "a/b", {}, lambda d: None)
+
+
+# ------------------------------------------------------------------------------ multi-LoRA pool
+@pytest.fixture(scope="module")
+def pool(tiny_model_path):
+    from dsrl.serve.lora import LoraPool, LoraSpec
+
+    p = LoraPool(str(tiny_model_path), dtype=torch.float32, attn_implementation="eager", micro_batch_size=4, pad_id=0)
+    for i, rank in enumerate((2, 4, 8)):
+        p.add_slot(f"s{i}", LoraSpec(rank=rank, alpha=8.0, seed=i, train_mlp=(i != 1), train_unembed=(i != 2)))
+    return p
+
+
+def _set_grads(pool, seed):
+    g = torch.Generator().manual_seed(seed)
+    for name in pool.slots:
+        for p in pool.slot_parameters(name).values():
+            p.grad = torch.randn(p.shape, generator=g) * (1 + int(name[1:]))
+
+
+def _params(pool):
+    return {name: {k: p.detach().clone() for k, p in pool.slot_parameters(name).items()} for name in pool.slots}
+
+
+def test_lora_flags_select_layers(pool):
+    names = {n: set(k.split(".lora_")[0].rsplit(".", 1)[-1] for k in pool.slot_parameters(n)) for n in pool.slots}
+    assert names["s0"] == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
+    assert names["s1"] == {"q_proj", "k_proj", "v_proj", "o_proj", "lm_head"}  # train_mlp=False
+    assert "lm_head" not in names["s2"]  # train_unembed=False
+    a = next(v for k, v in pool.slot_parameters("s2").items() if "q_proj.lora_A" in k)
+    assert a.shape[0] == 8  # rank
+
+
+def test_k_slot_step_equals_k_single_slot_steps_with_per_slot_clip(pool):
+    from dsrl.actor.work_units import AdamParams
+
+    adam = {"s0": AdamParams(learning_rate=1e-2, grad_clip_norm=0.5), "s1": AdamParams(learning_rate=3e-3, beta2=0.9),
+            "s2": AdamParams(learning_rate=1e-3, grad_clip_norm=1e9, weight_decay=0.1)}
+    single = copy.deepcopy(pool)
+    _set_grads(pool, 0)
+    _set_grads(single, 0)
+    norms = {n: float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in pool.slot_parameters(n).values()])))
+             for n in pool.slots}
+    merged = pool.step(adam)  # one optimizer step for all three slots
+    for name in ("s2", "s0", "s1"):  # three single-slot steps, another order
+        assert single.step({name: adam[name]})[name]["grad_norm:mean"] == pytest.approx(norms[name], rel=1e-6)
+    a, b = _params(pool), _params(single)
+    for name in pool.slots:
+        assert merged[name]["grad_norm:mean"] == pytest.approx(norms[name], rel=1e-6)
+        for k in a[name]:
+            assert torch.equal(a[name][k], b[name][k]), (name, k)
+
+
+def test_clip_and_adamw_match_a_hand_reference(pool):
+    """Slot s0's update = torch AdamW on its gradients scaled by clip / (norm + 1e-6); slot s1,
+    not stepping, keeps its parameters, gradients and optimizer state."""
+    from dsrl.actor.work_units import AdamParams
+
+    _set_grads(pool, 1)
+    p0 = {k: p.detach().clone() for k, p in pool.slot_parameters("s0").items()}
+    g0 = {k: p.grad.clone() for k, p in pool.slot_parameters("s0").items()}
+    st0 = {k: copy.deepcopy(pool.optimizer.state.get(p, {})) for k, p in pool.slot_parameters("s0").items()}
+    s1_before = {k: (p.detach().clone(), p.grad.clone()) for k, p in pool.slot_parameters("s1").items()}
+    s1_state = {k: copy.deepcopy(pool.optimizer.state.get(p, {})) for k, p in pool.slot_parameters("s1").items()}
+    norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in g0.values()])))
+    pool.step({"s0": AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, grad_clip_norm=0.25)})
+    coef = 0.25 / (norm + 1e-6)
+    assert coef < 1
+    for k, p in pool.slot_parameters("s0").items():
+        ref = torch.nn.Parameter(p0[k].clone())
+        ref.grad = g0[k] * coef
+        opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.0)
+        if st0[k]:
+            opt.state[ref] = copy.deepcopy(st0[k])
+        opt.step()
+        torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=1e-7)
+        assert p.grad is None
+    for k, p in pool.slot_parameters("s1").items():
+        assert torch.equal(p.detach(), s1_before[k][0]) and torch.equal(p.grad, s1_before[k][1])
+        assert all(torch.equal(a, b) for a, b in zip(pool.optimizer.state.get(p, {}).values(), s1_state[k].values()))
+
+
+def test_adapters_see_only_their_rows(pool):
+    """One forward over rows of two slots: each slot's gradient equals its gradient from a batch
+    of its own rows only, and a slot without rows gets none."""
+    from dsrl.serve.objectives import ObjectiveTable
+
+    obj = ObjectiveTable().resolve("importance_sampling", None)
+    rng = np.random.default_rng(3)
+
+    def data(n):
+        return [{"model_input": rng.integers(3, 49152, 6).tolist(),
+                 "loss_fn_inputs": {"target_tokens": rng.integers(3, 49152, 6).tolist(),
+                                    "logprobs": (-rng.uniform(5, 12, 6)).tolist(), "advantages": rng.normal(0, 1, 6).tolist()}}
+                for _ in range(n)]
+    d0, d1 = data(3), data(2)
+    sess = pool.session
+
+    def grads_after(items, tags):
+        for n in pool.slots:
+            for p in pool.slot_parameters(n).values():
+                p.grad = None
+        sess.run_prepared(items, obj.spec, obj.config, forward_only=False, tags=tags)
+        return {n: {k: (None if p.grad is None else p.grad.clone()) for k, p in pool.slot_parameters(n).items()}
+                for n in pool.slots}
+
+    p0, p1 = sess.validate(d0, "importance_sampling"), sess.validate(d1, "importance_sampling")
+    mixed = grads_after(p1[:1] + p0 + p1[1:], ["s1"] + ["s0"] * 3 + ["s1"])
+    alone0 = grads_after(p0, ["s0"] * 3)
+    alone1 = grads_after(p1, ["s1"] * 2)
+    assert all(g is None for g in mixed["s2"].values())
+    for name, alone in (("s0", alone0), ("s1", alone1)):
+        for k, g in mixed[name].items():  # fp32, different batch shapes: close relative to the tensor's scale
+            ref = alone[name][k]
+            assert (g - ref).abs().max().item() <= 1e-5 * ref.abs().max().item() + 1e-8, (name, k)
+    assert all(g is None for g in alone0["s1"].values())
+    for n in pool.slots:
+        for p in pool.slot_parameters(n).values():
+            p.grad = None
