@@ -103,6 +103,8 @@ def build(cfg_node: DictConfig, run_dir: str):
     _resolve_hardware(cfg, cfg_node)  # `auto` dtypes / kernels / threads, before any model loads
     decision = decide_reuse(cfg)
 
+    import functools
+
     import torch
     from transformers import AutoTokenizer
 
@@ -112,6 +114,7 @@ def build(cfg_node: DictConfig, run_dir: str):
     from dsrl.distributed.ranks import global_rank, is_main_rank, local_rank, world_size
     from dsrl.hardware import local_world_size
     from dsrl.reward.registry import verifier_for_source
+    from dsrl.rollout.resilient import ResilientWorker
     from dsrl.rollout.vllm_worker import VLLMWorker
     from dsrl.setup_assets import default_cache_dir, resolve_model_path
     from dsrl.tracking.console import prints_to_log
@@ -135,11 +138,15 @@ def build(cfg_node: DictConfig, run_dir: str):
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     check_prompt_lengths(source, tokenizer, cfg)  # over-long prompts: named error or skipped, before any engine
-    worker = VLLMWorker(model_path, dtype=cfg.rollout.dtype, seed=cfg.rollout.seed + 1000 * global_rank(),
-                        max_model_len=cfg.rollout.max_model_len, kv_cache_gib=cfg.rollout.kv_cache_gib,
-                        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                        enforce_eager=cfg.rollout.enforce_eager, local_rank=local_rank(), local_world=local_world,
-                        weights_dir=os.path.join(run_dir, ".weights", f"rank{global_rank()}"))
+    # A dead or hung engine is rebuilt with these same arguments (dsrl.rollout.resilient).
+    make_engine = functools.partial(
+        VLLMWorker, model_path, dtype=cfg.rollout.dtype, seed=cfg.rollout.seed + 1000 * global_rank(),
+        max_model_len=cfg.rollout.max_model_len, kv_cache_gib=cfg.rollout.kv_cache_gib,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, enforce_eager=cfg.rollout.enforce_eager,
+        local_rank=local_rank(), local_world=local_world,
+        weights_dir=os.path.join(run_dir, ".weights", f"rank{global_rank()}"))
+    worker = ResilientWorker(make_engine, name=f"vLLM engine of rank {global_rank()} ({model_path})",
+                             max_restarts=cfg.rollout.max_restarts, timeout_s=cfg.rollout.timeout_s)
     try:
         trainer = _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir)
         if resume_point is not None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from dsrl.checkpoint import (config_record, load_rank_state, read_shared_state, restore_rng,
                              save_checkpoint)
 from dsrl.actor.batch import Sample, empty_microbatch, masked_rows
+from dsrl.actor.nonfinite import SkipCounter
 from dsrl.config.reuse import ReuseDecision, check_reuse_invariants, steps_per_rollout
 from dsrl.config.schema import Config
 from dsrl.distributed.ranks import global_rank, is_main_rank, world_size
@@ -27,6 +28,8 @@ from dsrl.loss.skip import zero_advantage_skip
 from dsrl.loss.types import Aggregator
 from dsrl.registry import load_callable
 from dsrl.rollout.seeds import request_seeds
+from dsrl.rollout.faults import fault_metrics
+from dsrl.rollout.rewards import RewardGuard
 from dsrl.rollout.samples import generate_samples, pack_microbatches
 from dsrl.tracking import MetricsLogger, PhaseTimer, microbatch_bar, plot_run
 
@@ -68,6 +71,8 @@ class Trainer:
         self.cfg, self.actor, self.ref, self.teacher, self.worker = cfg, actor, ref, teacher, worker
         self.tokenizer, self.source, self.verifier, self.prompt_ids = tokenizer, source, verifier, prompt_ids_fn
         self.decision, self.run_dir = decision, run_dir
+        self.verifier = RewardGuard.wrap(verifier, cfg.reward.timeout_s)  # raises/hangs: reward 0, counted
+        self.skips = SkipCounter(cfg.trainer.max_skipped_steps)  # non-finite optimizer steps
         self.algo = dataclasses.asdict(cfg.algo)
         self.objective = get_objective(cfg.algo.policy_loss)
         self.objective_config = objective_config(self.objective, self.algo, cfg.algo.loss_fn_config)
@@ -150,6 +155,7 @@ class Trainer:
     def step(self, step: int) -> dict:
         cfg, a = self.cfg, self.cfg.algo
         t_step = time.perf_counter()
+        self.skips.step = step
 
         # 1-2. rollout + reward (this rank's share of the prompts)
         with self.timer.phase("rollout"):
@@ -174,6 +180,8 @@ class Trainer:
         lens = [len(s.response_ids) for s in samples]
         tot = all_reduce_sum([sum(rewards), len(rewards), sum(lens)])
         metrics.update(self.timer.pop())
+        metrics.update(fault_metrics(self.worker, self.verifier))  # rollout/restarts, reward/errors|timeouts
+        metrics["train/skipped_steps"] = float(self.skips.total)
         metrics["reward/mean"] = tot[0] / max(tot[1], 1)
         metrics["rollout/response_length"] = tot[2] / max(tot[1], 1)
         metrics["timing/step"] = time.perf_counter() - t_step
@@ -244,6 +252,8 @@ class Trainer:
         microbatches = self._microbatches(samples, token_fields)
         sums = self._forward_backward(microbatches, counts)
         grad_norm = self.actor.optimizer_step()
+        # Non-finite loss/gradient: the actor skipped the step; TrainingDiverged after max_skipped_steps in a row.
+        self.skips.record(getattr(self.actor, "last_step_skipped", False))
         if self.cfg.trainer.check_rank_sync:
             self._assert_ranks_in_sync()
         return self._step_metrics(sums, counts, grad_norm)

@@ -19,6 +19,7 @@ from typing import Iterable, Mapping, Optional
 import torch
 
 from dsrl.actor.logprobs import token_logprobs
+from dsrl.actor.nonfinite import any_rank, discard_gradients, local_grads_finite
 from dsrl.actor.stochastic import apply_dropout_knobs
 from dsrl.distributed.ports import free_port
 from dsrl.loss.registry import ObjectiveSpec
@@ -83,6 +84,8 @@ class ActorEngine:
         self.trainable = trainable
         self.zero_stage = int(zero_stage)
         self._open_accumulation = False  # a backward ran with is_last=False since the last step
+        self._nonfinite_loss = False  # a microbatch loss since the last step was NaN/inf on this rank
+        self.last_step_skipped = False  # the last optimizer_step() skipped a non-finite step
         hf_config = AutoConfig.from_pretrained(model_path)
         # dsrl's two dropout knobs go onto the HF fields of the same name and nothing else; the
         # model's other dropout/noise fields stay as its config says (the reuse decision names them).
@@ -186,6 +189,7 @@ class ActorEngine:
                 out.metrics["rollout/tokens"] = mb["loss_mask"].sum()
         if not forward_only:
             scale = float(self.dp_world_size if loss_scale is None else loss_scale)
+            self._nonfinite_loss |= not bool(torch.isfinite(out.loss.detach()).all())
             self.engine.set_gradient_accumulation_boundary(bool(is_last))
             self.engine.backward(out.loss * scale, scale_wrt_gas=False)
             # is_last=False leaves the gradient unreduced (ZeRO-0/1) or not finalized (ZeRO-2);
@@ -210,9 +214,18 @@ class ActorEngine:
         self._open_accumulation = False
 
     def optimizer_step(self) -> float:
-        """Apply the accumulated gradient; returns the global grad norm (before clipping)."""
+        """Apply the accumulated gradient; returns the global grad norm (before clipping).
+
+        Skipped instead (`last_step_skipped`, see dsrl.actor.nonfinite) when any rank saw a
+        non-finite microbatch loss or holds a non-finite gradient: no update, weights and
+        optimizer state untouched, gradients discarded; returns NaN. Collective."""
         self._close_accumulation_window()
         self.engine.set_gradient_accumulation_boundary(True)
+        bad_loss, self._nonfinite_loss = self._nonfinite_loss, False
+        self.last_step_skipped = any_rank(bad_loss or not local_grads_finite(self.engine))
+        if self.last_step_skipped:
+            discard_gradients(self.engine)
+            return float("nan")
         pre_norm = None
         if self.zero_stage == 0:  # DeepSpeed records the norm only for ZeRO optimizers
             grads = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]

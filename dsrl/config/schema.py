@@ -77,6 +77,13 @@ class RolloutConfig:
     # Skip CUDA-graph / torch.compile warm-up. null = auto: true on CPU (fast start), false on CUDA
     # (CUDA graphs make decoding faster).
     enforce_eager: Optional[bool] = None
+    # Engine restarts allowed per rollout call (a generate or a weight push): an engine that dies
+    # or hangs is killed, rebuilt with the current weights and the call retried; one more failure
+    # stops the run with an error naming the engine and the cause.
+    max_restarts: int = 2
+    # Seconds one rollout call (generate, weight push) may take before its engine counts as hung;
+    # generous: a slow CPU step must never trip it.
+    timeout_s: float = 600.0
 
 
 @dataclass
@@ -230,6 +237,9 @@ class TrainerConfig:
     before_train_step_hooks: list = field(default_factory=list)
     # Assert after every optimizer step that all ranks hold identical parameters (one gather).
     check_rank_sync: bool = False
+    # Optimizer steps with a non-finite loss or gradient (any rank) are skipped, weights and optimizer
+    # state untouched (train/skipped_steps); this many in a row stop the run (TrainingDiverged).
+    max_skipped_steps: int = 3
     # Checkpoint every this many steps into <run_dir>/checkpoints (0 = only on a stop signal).
     save_every: int = 10
     # Newest checkpoints kept (older ones are deleted after a save; 0 keeps all).

@@ -52,6 +52,9 @@ _RANGES = {
     "data.eval_fraction": (lambda v: v is None or 0 < v < 1, "in (0, 1) or null"),
     "data.max_prompt_tokens": (lambda v: v is None or v >= 1, ">= 1 or null"),
     "reward.timeout_s": (lambda v: v > 0, "> 0"),
+    "rollout.max_restarts": (lambda v: v >= 0, ">= 0"),
+    "rollout.timeout_s": (lambda v: v > 0, "> 0"),
+    "trainer.max_skipped_steps": (lambda v: v >= 1, ">= 1"),
     "trainer.save_every": (lambda v: v >= 0, ">= 0 (0 = only on a stop signal)"),
     "trainer.keep_checkpoints": (lambda v: v >= 0, ">= 0 (0 = keep all)"),
 }

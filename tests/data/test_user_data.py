@@ -317,8 +317,8 @@ def test_config_groups_and_defaults(tmp_path):
     f = _write_jsonl(tmp_path / "d.jsonl", _records(5))
     cfg = _compose("+exp=grpo_reuse", "data=jsonl", f"data.path={f}", "reward.fn=gsm8k")
     validate(cfg)
-    assert (cfg.data.name, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.on_bad_row) == ("jsonl", "prompt", "answer",
-                                                                                                "error")
+    d = cfg.data
+    assert (d.name, d.prompt_key, d.answer_key, d.on_bad_row) == ("jsonl", "prompt", "answer", "error")
     assert cfg.data.eval_fraction == 0.1 and cfg.reward.timeout_s == 10.0 and cfg.reward.fn == "gsm8k"
     assert _compose("data=hf").data.split == "train" and _compose("data=parquet").data.name == "parquet"
     assert _compose().reward.fn is None  # arith's own verifier

@@ -45,8 +45,8 @@ ROW_KINDS = {"malformed JSON", "not valid UTF-8", "missing field", "wrong type",
 
 
 def _word(r, n=None):
-    return "".join(r.choice(string.ascii_letters + string.digits + " ,.?!") for _ in range(n or r.randint(1, 30))).strip() \
-        or "w"
+    chars = string.ascii_letters + string.digits + " ,.?!"
+    return "".join(r.choice(chars) for _ in range(n or r.randint(1, 30))).strip() or "w"
 
 
 def _good_record(r):
@@ -54,7 +54,8 @@ def _good_record(r):
     if r.random() < 0.5:
         prompt = text
     else:
-        prompt = ([{"role": "system", "content": _word(r)}] if r.random() < 0.5 else []) + [{"role": "user", "content": text}]
+        system = [{"role": "system", "content": _word(r)}] if r.random() < 0.5 else []
+        prompt = system + [{"role": "user", "content": text}]
     answer = r.choice([str(r.randint(-99, 999)), r.randint(0, 10**6), round(r.uniform(-5, 5), 3), _word(r)])
     return {"prompt": prompt, "answer": answer, **({"extra": _word(r)} if r.random() < 0.3 else {})}
 
