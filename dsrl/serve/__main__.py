@@ -46,6 +46,13 @@ def prepare(cfg_node: DictConfig, run_dir: str):
         model_path = resolve_model_path(cfg.model.path, cache)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
+    if cfg.serve.sampling:
+        from transformers import AutoConfig
+
+        limit = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+        if limit and cfg.rollout.max_model_len > limit:
+            raise ConfigError(f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "
+                              f"max_position_embeddings={limit} ({model_path}); lower it")
     OmegaConf.save(cfg_node, os.path.join(run_dir, "config.yaml"), resolve=True)
     return cfg, model_path
 

@@ -37,17 +37,17 @@ def serve_errors(cfg) -> List[str]:
         errors.append(f"serve.long_poll_seconds={s.long_poll_seconds} must be in [1, 40] (the SDK gives up on a poll after 45 s)")
     if s.model_name is not None and (":" in s.model_name or not s.model_name.strip()):
         errors.append(f"serve.model_name={s.model_name!r} must be non-empty without ':' (the SDK cuts names at ':')")
-    for name, path in dict(s.custom_losses or {}).items():
-        if not isinstance(path, str) or "." not in path.replace(":", "."):
-            errors.append(f"serve.custom_losses.{name}={path!r} must be a dotted path 'pkg.module.fn'")
-    if errors:
-        return errors
-    from dsrl.serve.objectives import ObjectiveTable
+    losses = dict(s.custom_losses or {})
+    malformed = [name for name, path in losses.items() if not isinstance(path, str) or "." not in path.replace(":", ".")]
+    for name in malformed:
+        errors.append(f"serve.custom_losses.{name}={losses[name]!r} must be a dotted path 'pkg.module.fn'")
+    if losses and not malformed:
+        from dsrl.serve.objectives import ObjectiveTable
 
-    try:  # load the custom losses now: a bad path fails here, naming its key
-        ObjectiveTable(s.custom_losses)
-    except ValueError as e:
-        errors.append(str(e))
+        try:  # load the custom losses now: an unloadable one fails here, naming its key
+            ObjectiveTable(losses)
+        except ValueError as e:
+            errors.append(str(e))
     return errors
 
 

@@ -99,5 +99,7 @@ def serve_forever(service: Service, api_keys, host: str, port: int) -> None:
              service.opts.model_name, host, port, host, port)
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        log.info("serve: stopped")
     finally:
         service.close()

@@ -101,3 +101,30 @@ def test_same_seed_same_run_and_exact_resume_through_sigkill_and_sigterm(tmp_pat
     assert ma == mb
     wa, wb = load_file(str(a / "final_model" / "model.safetensors")), load_file(str(b / "final_model" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_two_ranks_zero3_resume_equals_the_uninterrupted_run(tmp_path, tiny_model_path):
+    """2 ranks (deepspeed launcher, gloo), ZeRO-3: resuming from run A's step-2 checkpoint into a new
+    run folder reproduces A's step 3 and final weights exactly."""
+    from dsrl.distributed.ports import free_port
+
+    deepspeed = Path(sys.executable).parent / "deepspeed"
+    env = subprocess_env(RAY_AUTH_MODE="disabled", HYDRA_FULL_ERROR="1")
+    common = [*TINY, "actor.zero_stage=3", "actor.stage3_param_persistence_threshold=0", "trainer.total_steps=3"]
+
+    def launch(run_dir, *extra):
+        cmd = [str(deepspeed), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "dsrl.main",
+               *common, f"hydra.run.dir={run_dir}", *extra]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        return r
+
+    a, c = tmp_path / "a", tmp_path / "c"
+    launch(a)
+    assert sorted(os.listdir(a / "checkpoints")) == ["step-000002"]
+    r = launch(c, f"trainer.resume_from={a}")
+    assert "continuing after step 2" in r.stdout + r.stderr
+    ma, mc = _metrics(a), _metrics(c)
+    assert [m["step"] for m in mc] == [1, 2, 3] and ma == mc
+    wa, wc = load_file(str(a / "final_model" / "model.safetensors")), load_file(str(c / "final_model" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wc[k]) for k in wa)

@@ -251,7 +251,8 @@ OUT_OF_RANGE = {
     "data.num_operands": [1, 0], "data.digits": [0, -3], "data.num_eval": [-1], "data.eval_fraction": [0, 1.0, 2.5],
     "data.max_prompt_tokens": [0, -5, 10**6], "data.seed": [-7, 2**33],
     "trainer.total_steps": [0, -1], "trainer.seed": [-1, 2**50], "reward.timeout_s": [0, -3.0],
-    "logger.plot_every": [0, -1],
+    "logger.plot_every": [0, -1], "rollout.max_restarts": [-1], "rollout.timeout_s": [0, -5.0],
+    "trainer.max_skipped_steps": [0, -1], "trainer.save_every": [-1], "trainer.keep_checkpoints": [-2],
 }
 # Valid overrides mixed in around the bad one (checked to validate together).
 NOISE = ["actor.lr=3e-5", "rollout.max_new_tokens=8", "data.seed=7", "trainer.total_steps=3", "actor.zero_stage=3",

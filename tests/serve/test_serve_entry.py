@@ -1,0 +1,64 @@
+"""``python -m dsrl.serve``: bad serve.* settings stop it before anything loads, each named; a real
+server process answers the SDK (LoRA client: forward_backward, optim_step, save_state)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from dsrl.distributed.ports import free_port
+from dsrl.testing import subprocess_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_config_errors_name_every_key(tmp_path):
+    cmd = [sys.executable, "-m", "dsrl.serve", "+exp=tinker_service", "model.path=tiny", "serve.api_keys=[secret]",
+           "serve.long_poll_seconds=90", "+serve.custom_losses.sq=nowhere_pkg.fn", f"hydra.run.dir={tmp_path}"]
+    out = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "serve.api_keys[0] must be a string starting with 'tml-'" in out.stderr
+    assert "serve.long_poll_seconds=90" in out.stderr
+    assert "serve.custom_losses.sq: cannot load 'nowhere_pkg.fn'" in out.stderr
+
+
+@pytest.mark.slow
+def test_server_process_answers_the_sdk(tmp_path, tiny_model_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "dsrl.serve", "+exp=tinker_service", f"model.path={tiny_model_path}",
+           "model.dtype=float32", "serve.sampling=false", f"serve.port={port}", "serve.model_name=tiny",
+           "serve.api_keys=[tml-entry-test]", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            try:
+                if httpx.get(f"{url}/api/v1/healthz", headers={"X-API-Key": "tml-entry-test"}).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.5)
+        import tinker
+        from tinker import types
+
+        tc = tinker.ServiceClient(base_url=url, api_key="tml-entry-test").create_lora_training_client(
+            "tiny", rank=4).result()
+        ids = tc.get_tokenizer().encode("2+2=4")
+        d = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
+        first = tc.forward_backward([d], "cross_entropy").result().metrics["loss:sum"]
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        assert tc.forward([d], "cross_entropy").result().metrics["loss:sum"] < first
+        path = tc.save_state("end").result().path
+        assert os.path.isfile(os.path.join(tmp_path, "checkpoints", path[len("tinker://"):], "tinker.json"))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
