@@ -79,41 +79,45 @@ def bench_protocol(model_path, args):
             "sdk_over_in_process": t_local / t_sdk, "in_process_s": t_local, "sdk_s": t_sdk}
 
 
-def bench_slots(model_path, args):
+def _slot_steps(model_path, args, k):
+    """Seconds of one merged step of k slots and of k single-slot steps (gradient fill excluded)."""
     import torch
 
     from dsrl.actor.work_units import AdamParams
     from dsrl.serve.lora import LoraPool, LoraSpec
 
-    dtype = getattr(torch, args.dtype)
+    pool = LoraPool(model_path, dtype=getattr(torch, args.dtype), attn_implementation="eager",
+                    micro_batch_size=args.micro_batch, pad_id=0)
+    names = [f"s{i}" for i in range(k)]
+    for i, n in enumerate(names):
+        pool.add_slot(n, LoraSpec(rank=args.rank, alpha=32.0, seed=i))
+    adam = {n: AdamParams(learning_rate=1e-4, grad_clip_norm=1.0) for n in names}
+
+    def fill():
+        for n in names:
+            for p in pool.slot_parameters(n).values():
+                p.grad = torch.full_like(p, 1e-3)
+
+    def merged():
+        fill()
+        pool.step(adam)
+
+    def singles():
+        fill()
+        for n in names:
+            pool.step({n: adam[n]})
+
+    fill_t, t_merged, t_single = _interleaved([fill, merged, singles], args.reps)
+    n_params = sum(p.numel() for n in names for p in pool.slot_parameters(n).values())
+    return t_merged - fill_t, t_single - fill_t, n_params
+
+
+def bench_slots(model_path, args):
     out = {}
     for k in (1, 2, 4):
-        pool = LoraPool(model_path, dtype=dtype, attn_implementation="eager", micro_batch_size=args.micro_batch, pad_id=0)
-        names = [f"s{i}" for i in range(k)]
-        for i, n in enumerate(names):
-            pool.add_slot(n, LoraSpec(rank=args.rank, alpha=32.0, seed=i))
-        adam = {n: AdamParams(learning_rate=1e-4, grad_clip_norm=1.0) for n in names}
-
-        def fill():
-            for n in names:
-                for p in pool.slot_parameters(n).values():
-                    p.grad = torch.full_like(p, 1e-3)
-
-        def merged():
-            fill()
-            pool.step(adam)
-
-        def singles():
-            fill()
-            for n in names:
-                pool.step({n: adam[n]})
-
-        fill_t, t_merged, t_single = _interleaved([fill, merged, singles], args.reps)
-        t_merged, t_single = t_merged - fill_t, t_single - fill_t
-        n_params = sum(p.numel() for n in names for p in pool.slot_parameters(n).values())
+        t_merged, t_single, n_params = _slot_steps(model_path, args, k)
         out[k] = {"merged_s": t_merged, "k_single_s": t_single, "k_single_over_merged": t_single / max(t_merged, 1e-9),
                   "adapter_params": n_params}
-        del pool
     return out
 
 

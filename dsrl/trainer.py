@@ -20,6 +20,7 @@ from dsrl.actor.batch import Sample, empty_microbatch, masked_rows
 from dsrl.actor.nonfinite import SkipCounter
 from dsrl.config.reuse import ReuseDecision, check_reuse_invariants, steps_per_rollout
 from dsrl.config.schema import Config
+from dsrl.data.registry import source_metrics
 from dsrl.distributed.ranks import global_rank, is_main_rank, world_size
 from dsrl.loss.advantages import compute_advantages
 from dsrl.loss.options import objective_config
@@ -180,6 +181,7 @@ class Trainer:
         lens = [len(s.response_ids) for s in samples]
         tot = all_reduce_sum([sum(rewards), len(rewards), sum(lens)])
         metrics.update(self.timer.pop())
+        metrics.update(source_metrics(self.source))
         metrics.update(fault_metrics(self.worker, self.verifier))  # rollout/restarts, reward/errors|timeouts
         metrics["train/skipped_steps"] = float(self.skips.total)
         metrics["reward/mean"] = tot[0] / max(tot[1], 1)

@@ -32,6 +32,13 @@ class PromptSource(Protocol):
     def eval_set(self, n: int) -> list[Prompt]: ...
 
 
+def source_metrics(source: Any) -> dict:
+    """A source's own step metrics (e.g. `data/skipped_rows` of the file sources); `metrics()` is
+    an optional part of the PromptSource protocol."""
+    fn = getattr(source, "metrics", None)
+    return dict(fn()) if callable(fn) else {}
+
+
 def _source_class(obj: Any, path: str) -> type:
     """A source named by dotted path must be a class with the PromptSource methods."""
     missing = [m for m in ("sample_train", "eval_set") if not callable(getattr(obj, m, None))]

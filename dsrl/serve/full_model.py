@@ -1,6 +1,6 @@
 """A full-parameter training client: its own DeepSpeed `ActorEngine` on the base model, driven
-through the in-process Tinker work units (`TrainingSession`). Training state is a DeepSpeed
-checkpoint (weights and optimizer, any ZeRO stage)."""
+through the in-process Tinker work units (`TrainingSession`). Training state is the engine's
+DeepSpeed checkpoint (`ActorEngine.save_checkpoint`: weights and optimizer, any ZeRO stage)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,8 +8,6 @@ from typing import Dict, Optional
 
 from dsrl.actor.work_units import AdamParams, TrainingSession
 from dsrl.serve.export import write_hf_folder
-
-STATE_TAG = "state"
 
 
 class FullModel:
@@ -32,15 +30,23 @@ class FullModel:
         return self.session.optim_step(params).metrics
 
     def save_state(self, folder: Path, *, optimizer: bool = True) -> None:
-        """DeepSpeed checkpoint (weights + optimizer state of every ZeRO partition)."""
-        self.engine.engine.save_checkpoint(str(folder), tag=STATE_TAG, save_latest=False)
+        """The engine's DeepSpeed checkpoint (weights + optimizer state of every ZeRO partition)."""
+        self.engine.save_checkpoint(str(folder))
 
     def load_state(self, folder: Path, *, optimizer: bool) -> None:
-        path, _ = self.engine.engine.load_checkpoint(
-            str(folder), tag=STATE_TAG, load_optimizer_states=optimizer, load_lr_scheduler_states=False,
-            load_module_only=not optimizer)
+        """Weights and (``optimizer``) the AdamW moments; without it the moments stay as they are
+        (fresh for a new client)."""
+        if optimizer:
+            self.engine.load_checkpoint(str(folder))
+            return
+        # Weights only: DeepSpeed's module-only load from the one tag folder save_checkpoint wrote.
+        tags = [p.name for p in Path(folder).iterdir() if p.is_dir()]
+        if len(tags) != 1:
+            raise FileNotFoundError(f"expected one DeepSpeed checkpoint folder in {folder}, found {tags}")
+        path, _ = self.engine.engine.load_checkpoint(str(folder), tag=tags[0], load_module_only=True,
+                                                     load_optimizer_states=False, load_lr_scheduler_states=False)
         if path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}")
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}/{tags[0]}")
 
     def export_sampler(self, folder: Path) -> None:
         write_hf_folder(folder, self.engine.state_dict_for_export(), self.hf_config)

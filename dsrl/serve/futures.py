@@ -11,7 +11,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -84,9 +83,3 @@ class FutureStore:
                 return None
         return fut.result()
 
-
-def wait_all(store: FutureStore, rids, timeout: float) -> None:
-    """Block until every id is done (bench / tests)."""
-    deadline = time.monotonic() + timeout
-    for rid in rids:
-        store.result(rid, timeout=max(0.0, deadline - time.monotonic()))

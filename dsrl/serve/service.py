@@ -13,21 +13,26 @@ own DeepSpeed engine (``serve.allow_full_parameter``)."""
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from dsrl.actor.work_units import AdamParams
+from dsrl.serve import wire
 from dsrl.serve.errors import UserError
 from dsrl.serve.executor import Executor, Op
 from dsrl.serve.futures import FutureStore, JsonReply, ProtoReply
 from dsrl.serve.objectives import ObjectiveTable
+from dsrl.serve.requests import (
+    check_optimizer_config,
+    field_of,
+    parse_adam,
+    parse_lora,
+    prompt_tokens,
+)
 from dsrl.serve.sequencer import Sequencer
 from dsrl.serve.store import CheckpointStore, check_name
-from dsrl.serve import wire
 
 log = logging.getLogger("dsrl.serve")
 
@@ -69,47 +74,6 @@ class _SamplingSession:
     sampling_session_id: str
     folder: Optional[str]  # None: the base model
     model_path: Optional[str]  # tinker:// path it was created from (named checkpoints)
-
-
-def _get(body: dict, key: str, types, what: str, *, required: bool = True, default=None):
-    """body[key] checked against ``types`` (bool is not an int here); UserError names the field."""
-    if key not in body or body[key] is None:
-        if required:
-            raise UserError(f"{what}: missing field {key!r}")
-        return default
-    value = body[key]
-    allowed = types if isinstance(types, tuple) else (types,)
-    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-        raise UserError(f"{what}: field {key!r} has the wrong type ({type(value).__name__})")
-    return value
-
-
-def parse_adam(body: dict) -> AdamParams:
-    """The optim_step request's AdamW settings; UserError names the field."""
-    if body.get("optimizer_params") is not None:
-        kind = body["optimizer_params"].get("type") if isinstance(body["optimizer_params"], dict) else None
-        raise UserError(f"optim_step: optimizer {kind!r} is not supported by this server (AdamW only)")
-    raw = body.get("adam_params", body.get("optim_params"))
-    if not isinstance(raw, dict):
-        raise UserError("optim_step: missing field 'adam_params'")
-    fields = {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"}
-    unknown = sorted(set(raw) - fields - {"type"})
-    if unknown:
-        raise UserError(f"optim_step: adam_params has unknown field(s) {unknown}")
-    p = AdamParams()
-    for k in fields:
-        if k in raw:
-            v = raw[k]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
-                raise UserError(f"optim_step: adam_params.{k} must be a finite number, got {v!r}")
-            setattr(p, k, float(v))
-    checks = [(p.learning_rate >= 0, "learning_rate must be >= 0"), (0 <= p.beta1 < 1, "beta1 must be in [0, 1)"),
-              (0 <= p.beta2 < 1, "beta2 must be in [0, 1)"), (p.eps > 0, "eps must be > 0"),
-              (p.weight_decay >= 0, "weight_decay must be >= 0"), (p.grad_clip_norm >= 0, "grad_clip_norm must be >= 0")]
-    for ok, msg in checks:
-        if not ok:
-            raise UserError(f"optim_step: adam_params.{msg}")
-    return p
 
 
 class Service:
@@ -187,35 +151,6 @@ class Service:
             raise UserError(f"{what}: base_model {base_model!r} is not served here; this server trains "
                             f"{self.opts.model_name!r}")
 
-    def _lora_spec(self, lora: Optional[dict], what: str):
-        from dsrl.serve.lora import LoraSpec
-
-        if lora is None:
-            return None
-        if not isinstance(lora, dict):
-            raise UserError(f"{what}: lora_config must be an object")
-        rank = lora.get("rank")
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise UserError(f"{what}: lora_config.rank must be an integer >= 0 (0 = full-parameter training)")
-        if rank == 0:
-            return None
-        if rank > self.opts.max_lora_rank:
-            raise UserError(f"{what}: lora_config.rank={rank} exceeds serve.max_lora_rank={self.opts.max_lora_rank}")
-        flags = {k: lora.get(k, True) for k in ("train_attn", "train_mlp", "train_unembed")}
-        for k, v in flags.items():
-            if not isinstance(v, bool):
-                raise UserError(f"{what}: lora_config.{k} must be true or false")
-        if not any(flags.values()):
-            raise UserError(f"{what}: lora_config trains nothing (train_attn, train_mlp and train_unembed all false)")
-        seed = lora.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise UserError(f"{what}: lora_config.seed must be an integer")
-        return LoraSpec(rank=rank, alpha=float(self.opts.lora_alpha), seed=seed, **flags)
-
-    def _check_optimizer(self, cfg: Any, what: str) -> None:
-        if cfg is not None and (not isinstance(cfg, dict) or cfg.get("type", "adamw") != "adamw"):
-            raise UserError(f"{what}: optimizer_config {cfg!r} is not supported (AdamW only)")
-
     def _register_model(self, session: _Session, model_seq_id: Any, what: str) -> Tuple[str, Optional[str]]:
         """The model id of (session, model_seq_id) and, for a retried create, its first request id."""
         if isinstance(model_seq_id, bool) or not isinstance(model_seq_id, int) or model_seq_id < 0:
@@ -230,9 +165,9 @@ class Service:
         model_id, previous = self._register_model(session, body.get("model_seq_id"), what)
         if previous is not None:
             return {"request_id": previous, "model_id": model_id}
-        self._check_base(_get(body, "base_model", str, what), what)
-        self._check_optimizer(body.get("optimizer_config"), what)
-        spec = self._lora_spec(body.get("lora_config"), what)
+        self._check_base(field_of(body, "base_model", str, what), what)
+        check_optimizer_config(body.get("optimizer_config"), what)
+        spec = parse_lora(body.get("lora_config"), what, self.opts.max_lora_rank, self.opts.lora_alpha)
         self._check_capacity(spec, what)
         return self._start_model(session, model_id, spec, body.get("user_metadata"), load=None)
 
@@ -257,7 +192,7 @@ class Service:
         return {"request_id": rid, "model_id": model_id}
 
     def get_info(self, body: dict) -> dict:
-        model_id = _get(body, "model_id", str, "get_info")
+        model_id = field_of(body, "model_id", str, "get_info")
         meta = self.model_meta.get(model_id)
         if meta is None:
             raise UserError(f"get_info: unknown model_id {model_id!r}")
@@ -325,7 +260,7 @@ class Service:
         model_id = body.get("model_id")
 
         def make(rid):
-            name = check_name(_get(body, "path", str, "save_weights"), "save_weights: path")
+            name = check_name(field_of(body, "path", str, "save_weights"), "save_weights: path")
             return Op("save_state", model_id, rid, payload=(name, bool(body.get("overwrite", False)),
                                                             body.get("user_metadata")))
         return self._sequenced(model_id, body.get("seq_id"), "save_weights", self._checked("save_weights", make))
@@ -339,28 +274,29 @@ class Service:
             if name is not None:
                 check_name(name, f"{what}: path")
                 return Op("save_sampler", model_id, rid, payload=("named", name))
-            n = _get(body, "sampling_session_seq_id", int, what)
+            n = field_of(body, "sampling_session_seq_id", int, what)
             return Op("save_sampler", model_id, rid, payload=("ephemeral", n))
         return self._sequenced(model_id, body.get("seq_id"), what, self._checked(what, make))
 
     def load_weights(self, body: dict) -> dict:
         what = "load_weights"
-        optimizer = _get(body, "optimizer", bool, what, required=False, default=False)
+        optimizer = field_of(body, "optimizer", bool, what, required=False, default=False)
         if body.get("session_id") is not None:  # create-via-load: the new client's first request
             session = self._session(body.get("session_id"), what)
             model_id, previous = self._register_model(session, body.get("model_seq_id"), what)
             if previous is not None:
                 return {"request_id": previous, "model_id": model_id}
             self._check_base(body.get("base_model"), what)
-            self._check_optimizer(body.get("optimizer_config"), what)
-            ckpt = self.store.resolve(_get(body, "path", str, what), "weights")
-            spec = self._lora_spec(ckpt.meta.get("lora_config"), what) if ckpt.meta.get("is_lora") else None
+            check_optimizer_config(body.get("optimizer_config"), what)
+            ckpt = self.store.resolve(field_of(body, "path", str, what), "weights")
+            spec = parse_lora(ckpt.meta.get("lora_config"), what, self.opts.max_lora_rank,
+                              self.opts.lora_alpha) if ckpt.meta.get("is_lora") else None
             self._check_capacity(spec, what)
             return self._start_model(session, model_id, spec, body.get("user_metadata"), load=(ckpt, optimizer))
         model_id = body.get("model_id")
 
         def make(rid):
-            ckpt = self.store.resolve(_get(body, "path", str, what), "weights")
+            ckpt = self.store.resolve(field_of(body, "path", str, what), "weights")
             return Op("load_state", model_id, rid, payload=(ckpt, optimizer))
         return self._sequenced(model_id, body.get("seq_id"), what, self._checked(what, make))
 
@@ -368,14 +304,14 @@ class Service:
     def create_sampling_session(self, body: dict) -> dict:
         what = "create_sampling_session"
         session = self._session(body.get("session_id"), what)
-        n = _get(body, "sampling_session_seq_id", int, what)
+        n = field_of(body, "sampling_session_seq_id", int, what)
         sid = f"{session.session_id}:sample:{n}"
         path = body.get("model_path")
         if path is not None:
             ckpt = self.store.resolve(path, "sampler_weights")
             folder = str(ckpt.folder)
         else:
-            self._check_base(_get(body, "base_model", str, what), what)
+            self._check_base(field_of(body, "base_model", str, what), what)
             folder = None
         with self._lock:
             self.sampling_sessions.setdefault(sid, _SamplingSession(sid, folder, path))
@@ -394,13 +330,13 @@ class Service:
         from dsrl.serve.sampler import SampleJob, parse_sampling_params
 
         what = "asample"
-        sid = _get(body, "sampling_session_id", str, what)
-        seq_id = _get(body, "seq_id", int, what)
+        sid = field_of(body, "sampling_session_id", str, what)
+        seq_id = field_of(body, "seq_id", int, what)
         with self._lock:
             prior = self._samples.get((sid, seq_id))
         if prior is not None:
             return {"request_id": prior[0], "sample_sequence_ids": prior[1]}
-        n = _get(body, "num_samples", int, what, required=False, default=1)
+        n = field_of(body, "num_samples", int, what, required=False, default=1)
         if n < 1:
             raise UserError(f"{what}: num_samples must be >= 1")
         rid = self.futures.create()
@@ -418,7 +354,7 @@ class Service:
                     raise UserError(f"{what}: {key} is not supported by this server")
             if body.get("target_prompt_logprobs") is not None:
                 raise UserError(f"{what}: target_prompt_logprobs is not supported by this server")
-            job = SampleJob(prompt=self._prompt_tokens(body.get("prompt")), num_samples=n,
+            job = SampleJob(prompt=prompt_tokens(body.get("prompt"), int(self.hf_config.vocab_size)), num_samples=n,
                             prompt_logprobs=bool(body.get("prompt_logprobs") or False),
                             prompt_logprobs_last_n=body.get("prompt_logprobs_last_n"),
                             **parse_sampling_params(body.get("sampling_params") or {}))
@@ -427,25 +363,6 @@ class Service:
         except UserError as e:
             self.futures.fail(rid, e)
         return {"request_id": rid, "sample_sequence_ids": ids}
-
-    def _prompt_tokens(self, prompt: Any) -> List[int]:
-        if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
-            raise UserError("asample: prompt must be {'chunks': [...]}")
-        tokens: List[int] = []
-        vocab = int(self.hf_config.vocab_size)
-        for j, chunk in enumerate(prompt["chunks"]):
-            if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
-                raise UserError(f"asample: prompt chunk {j} is not encoded_text")
-            toks = chunk.get("tokens")
-            if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
-                raise UserError(f"asample: prompt chunk {j}: tokens must be a list of integers")
-            bad = [t for t in toks if t < 0 or t >= vocab]
-            if bad:
-                raise UserError(f"asample: prompt chunk {j}: token id {bad[0]} out of range [0, {vocab})")
-            tokens.extend(toks)
-        if not tokens:
-            raise UserError("asample: prompt is empty")
-        return tokens
 
     # ================================================================== compute thread
     def _run_batch(self, batch: List[Op]) -> None:

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
 
 from dsrl.serve.errors import UserError
 
@@ -235,7 +236,7 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
     msg = ForwardBackwardRequestProto()
     try:
         msg.ParseFromString(body)
-    except Exception as e:  # protobuf raises DecodeError (and others on truncated data)
+    except (DecodeError, ValueError, TypeError) as e:
         raise UserError(f"forward_backward: body is not a ForwardBackwardRequest protobuf ({e})") from None
     if not msg.model_id:
         raise UserError("forward_backward: model_id is missing")

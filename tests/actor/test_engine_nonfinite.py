@@ -69,16 +69,15 @@ def _params(eng: ActorEngine) -> dict:
 
 
 def _optimizer_state(eng: ActorEngine) -> list:
-    """Every tensor of the torch optimizer DeepSpeed drives: its parameters (ZeRO: the fp32
-    master partitions) and their state (step, moments)."""
+    """Every tensor of the torch optimizer DeepSpeed drives, per parameter it holds state for:
+    the parameter itself (ZeRO: the fp32 master partition) and its state (step, moments)."""
     opt = eng.engine.optimizer
     inner = getattr(opt, "optimizer", opt)
     out = []
-    for group in inner.param_groups:
-        for p in group["params"]:
-            out.append(p.detach().clone())
-            for _, v in sorted(inner.state.get(p, {}).items()):
-                out.append(v.detach().clone() if torch.is_tensor(v) else torch.tensor(float(v)))
+    for p, st in inner.state.items():
+        out.append(p.detach().clone())
+        for _, v in sorted(st.items()):
+            out.append(v.detach().clone() if torch.is_tensor(v) else torch.tensor(float(v)))
     return out
 
 

@@ -228,7 +228,7 @@ SECTIONS = {k: t for k, t in typing.get_type_hints(schema.Config).items() if dat
 BAD_BY_TYPE = {  # values no field of that type accepts
     int: ["abc", "1.5", "true", "[1,2]", "{a: 1}", "1e400x"],
     float: ["abc", "true", "[1]", "{a: 1}", "1.2.3"],
-    bool: ["maybe", "2", "1.5", "[1]", "abc"],
+    bool: ["maybe", "1.5", "[1]", "abc"],  # not "2": OmegaConf reads any int as a bool (2 -> true)
     list: ["abc", "5", "{a: 1}"],
     dict: ["abc", "5", "[1, 2]"],
 }

@@ -9,8 +9,14 @@ import time
 import httpx
 import numpy as np
 import pytest
-
-from serve_helpers import KEY, MODEL_NAME, logprobs, random_batch, service_client, start_server
+from serve_helpers import (
+    KEY,
+    MODEL_NAME,
+    logprobs,
+    random_batch,
+    service_client,
+    start_server,
+)
 
 pytestmark = pytest.mark.slow  # ~20 s
 
@@ -209,3 +215,10 @@ def test_out_of_order_duplicates_and_rejected_seq_ids(server):
     assert raw.http.post("retrieve_future", json={"request_id": "req-nope"}).status_code == 410
     r = raw.http.post("optim_step", json={"model_id": "s-none:train:0", "seq_id": 1, "adam_params": adam})
     assert r.status_code == 400 and "unknown model_id" in r.json()["error"]
+    # Finishing the session frees its clients: heartbeats get 410, requests a clear error.
+    assert raw.post("session_heartbeat", {"session_id": sid, "type": "session_heartbeat"})["type"] == "session_heartbeat"
+    raw.post(f"sessions/{sid}/finish", {"reason": {"type": "success"}, "detail": None})
+    assert raw.http.post("session_heartbeat", json={"session_id": sid}).status_code == 410
+    r = raw.http.post("optim_step", json={"model_id": mid, "seq_id": 6, "adam_params": adam})
+    assert r.status_code == 400 and "was released" in r.json()["error"]
+    assert server.service.executor.idle(10) and mid not in server.service.models

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from serve_helpers import MODEL_NAME, datum, logprobs, service_client, start_server
 
 pytestmark = pytest.mark.slow  # vLLM engine start (~30-60 s on a shared 2-core machine)

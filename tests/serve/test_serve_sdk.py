@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from serve_helpers import (KEY, MODEL_NAME, formula_loss, logprobs, random_batch, service_client, sft_batch,
-                           start_server)
+from serve_helpers import (
+    KEY,
+    MODEL_NAME,
+    formula_loss,
+    logprobs,
+    random_batch,
+    service_client,
+    sft_batch,
+    start_server,
+)
 
 pytestmark = pytest.mark.slow  # one server + several DeepSpeed engines: ~40 s in all
 

@@ -52,7 +52,10 @@ def test_decode_sdk_request_dense_sparse_and_config():
 
 
 def test_encoded_outputs_decode_with_the_sdk():
-    from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
+    from tinker.proto.response_conv import (
+        deserialize_forward_backward_output,
+        deserialize_sample_response,
+    )
 
     outs = [{"logprobs": torch.tensor([-1.0, -2.5]), "elementwise_loss": torch.tensor([0.5, 0.25])},
             {"logprobs": torch.tensor([-3.0]), "elementwise_loss": torch.tensor([1.0])}]
@@ -116,7 +119,7 @@ def test_sequencer_orders_buffers_and_deduplicates():
     assert ran == [] and seq.waiting("m") == [2, 3]  # nothing runs before seq 1
     again, fresh = seq.submit("m", 3, new, lambda rid: ("dup", rid))
     assert (again, fresh, fresh3) == (r3, False, True)  # a retry gets the original id
-    r1, _ = seq.submit("m", 1, new, lambda rid: ("op1", rid))
+    seq.submit("m", 1, new, lambda rid: ("op1", rid))
     assert [op for op, _ in ran] == ["op1", "op2", "op3"]
     assert seq.submit("m", 2, new, lambda rid: ("late dup", rid)) == (r2, False)
     assert [op for op, _ in ran] == ["op1", "op2", "op3"]
@@ -205,7 +208,7 @@ def _params(pool):
 
 
 def test_lora_flags_select_layers(pool):
-    names = {n: set(k.split(".lora_")[0].rsplit(".", 1)[-1] for k in pool.slot_parameters(n)) for n in pool.slots}
+    names = {n: {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in pool.slot_parameters(n)} for n in pool.slots}
     assert names["s0"] == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
     assert names["s1"] == {"q_proj", "k_proj", "v_proj", "o_proj", "lm_head"}  # train_mlp=False
     assert "lm_head" not in names["s2"]  # train_unembed=False
