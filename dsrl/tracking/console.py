@@ -151,8 +151,9 @@ def adopt_library_loggers() -> int:
     for name, logger in list(logging.root.manager.loggerDict.items()):
         if not isinstance(logger, logging.Logger) or _is_dsrl(name) or name == "vllm" or name.startswith("vllm."):
             continue  # vLLM logs through its own dictConfig (vllm_logging_config)
-        own = [h for h in logger.handlers if type(h) is logging.StreamHandler
-               and getattr(h, "stream", None) in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)]
+        # A plain StreamHandler writes to a console stream: the one at the library's import time,
+        # which need not be today's sys.stdout/stderr (e.g. under output capture).
+        own = [h for h in logger.handlers if type(h) is logging.StreamHandler]
         if not own:
             continue
         for h in own:
@@ -196,12 +197,22 @@ def prints_to_log(name: str, verbose: bool = False) -> Iterator[None]:
     if verbose:
         yield
         return
-    sink = _LineLogger(logging.getLogger(name))
-    with contextlib.redirect_stdout(sink):
-        try:
-            yield
-        finally:
-            sink.flush()
+    adopt_library_loggers()  # the library may have (re)installed its own console handler
+    logger = logging.getLogger(name)
+    saved = (logger.level, logger.propagate)
+    # These lines are INFO for run.log whatever level the library's logger was left at.
+    logger.setLevel(logging.INFO)
+    logger.propagate = True
+    sink = _LineLogger(logger)
+    try:
+        with contextlib.redirect_stdout(sink):
+            try:
+                yield
+            finally:
+                sink.flush()
+    finally:
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
 
 
 _vllm_config_set: Optional[str] = None  # the VLLM_LOGGING_CONFIG_PATH this process set
