@@ -7,7 +7,8 @@
    clipped on its own) against K single-slot steps, for K = 1, 2, 4 (ratio = K single / merged).
 
 Both measured in one run, same process, same model, same data; median of --reps timed runs after
-one warm-up, the variants timed in alternation. The service runs in a thread of this process (its compute thread does the work).
+one warm-up, the variants timed in alternation. The service runs in a thread of this process
+(its compute thread does the work).
 
     python bench/bench_serve.py [--model tiny|smollm2|<folder>] [--datums 8] [--tokens 64] [--reps 5]
 """
@@ -62,17 +63,18 @@ def bench_protocol(model_path, args):
     engine = ActorEngine(model_path, zero_stage=0, dtype=args.dtype, grad_clip=0.0, micro_batch_size=args.micro_batch)
     sess = TrainingSession(engine, args.micro_batch)
     local = [Datum(t, {"target_tokens": y, "weights": w}) for t, y, w in raw]
-    opts = ServiceOptions(model_path=model_path, model_name="bench", checkpoint_dir=tempfile.mkdtemp(prefix="bench_serve_"),
-                          dtype=args.dtype, micro_batch_size=args.micro_batch, long_poll_seconds=20.0)
+    opts = ServiceOptions(model_path=model_path, model_name="bench", dtype=args.dtype,
+                          checkpoint_dir=tempfile.mkdtemp(prefix="bench_serve_"), micro_batch_size=args.micro_batch)
     srv = ServerThread(build_service(opts), ["tml-bench-key"]).start()
     try:
         os.environ.setdefault("TINKER_TELEMETRY", "0")
-        tc = tinker.ServiceClient(base_url=srv.url, api_key="tml-bench-key").create_lora_training_client(
-            "bench", rank=0).result()
-        remote = [types.Datum(model_input=types.ModelInput.from_ints(t), loss_fn_inputs={"target_tokens": y, "weights": w})
-                  for t, y, w in raw]
+        sc = tinker.ServiceClient(base_url=srv.url, api_key="tml-bench-key")
+        tc = sc.create_lora_training_client("bench", rank=0).result()
+        remote = [types.Datum(model_input=types.ModelInput.from_ints(t),
+                              loss_fn_inputs={"target_tokens": y, "weights": w}) for t, y, w in raw]
         t_local, t_sdk = _interleaved([lambda: sess.forward_backward(local, "cross_entropy"),
                                        lambda: tc.forward_backward(remote, "cross_entropy").result()], args.reps)
+        sc.close("success").result()
     finally:
         srv.stop()
     return {"tokens": tokens, "in_process_tok_s": tokens / t_local, "sdk_tok_s": tokens / t_sdk,
@@ -145,7 +147,8 @@ def main() -> None:
     args.vocab = int(AutoConfig.from_pretrained(model_path).vocab_size)
 
     proto = bench_protocol(model_path, args)
-    print(f"[bench-serve] model={args.model} dtype={args.dtype}: forward_backward of {args.datums} x {args.tokens} tokens")
+    print(f"[bench-serve] model={args.model} dtype={args.dtype}: "
+          f"forward_backward of {args.datums} x {args.tokens} tokens")
     print(f"  in-process work units : {proto['in_process_tok_s']:9.0f} tok/s ({proto['in_process_s'] * 1e3:.1f} ms)")
     print(f"  tinker SDK over HTTP  : {proto['sdk_tok_s']:9.0f} tok/s ({proto['sdk_s'] * 1e3:.1f} ms)")
     print(f"  ratio SDK / in-process: {proto['sdk_over_in_process']:.3f}")

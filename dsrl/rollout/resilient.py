@@ -71,12 +71,6 @@ class ResilientWorker:
         self.restarts = 0
         return out
 
-    def __getattr__(self, name):  # anything else (weights_dir, start_seconds ...) of the current worker
-        worker = self.__dict__.get("worker")
-        if worker is None:
-            raise AttributeError(name)
-        return getattr(worker, name)
-
     # ------------------------------------------------------------------ retry and restart
     def _call(self, method: str, *args, **kwargs):
         if self.worker is None:

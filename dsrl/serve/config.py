@@ -34,11 +34,13 @@ def serve_errors(cfg) -> List[str]:
     if s.lora_alpha <= 0:
         errors.append(f"serve.lora_alpha={s.lora_alpha} must be > 0")
     if not 1 <= s.long_poll_seconds <= 40:
-        errors.append(f"serve.long_poll_seconds={s.long_poll_seconds} must be in [1, 40] (the SDK gives up on a poll after 45 s)")
+        errors.append(f"serve.long_poll_seconds={s.long_poll_seconds} must be in [1, 40] "
+                      f"(the SDK gives up on a poll after 45 s)")
     if s.model_name is not None and (":" in s.model_name or not s.model_name.strip()):
         errors.append(f"serve.model_name={s.model_name!r} must be non-empty without ':' (the SDK cuts names at ':')")
     losses = dict(s.custom_losses or {})
-    malformed = [name for name, path in losses.items() if not isinstance(path, str) or "." not in path.replace(":", ".")]
+    malformed = [name for name, path in losses.items()
+                 if not isinstance(path, str) or "." not in path.replace(":", ".")]
     for name in malformed:
         errors.append(f"serve.custom_losses.{name}={losses[name]!r} must be a dotted path 'pkg.module.fn'")
     if losses and not malformed:

@@ -79,6 +79,11 @@ class Executor:
                     self._busy = False
                     self._cond.notify_all()
 
+    def queued(self) -> int:
+        """Ops waiting to run (diagnostics, tests)."""
+        with self._cond:
+            return len(self._queue)
+
     def idle(self, timeout: Optional[float] = None) -> bool:
         """Wait until nothing is queued or running (tests, shutdown)."""
         with self._cond:

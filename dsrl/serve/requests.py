@@ -43,7 +43,8 @@ def parse_adam(body: dict) -> AdamParams:
             setattr(p, k, float(v))
     checks = [(p.learning_rate >= 0, "learning_rate must be >= 0"), (0 <= p.beta1 < 1, "beta1 must be in [0, 1)"),
               (0 <= p.beta2 < 1, "beta2 must be in [0, 1)"), (p.eps > 0, "eps must be > 0"),
-              (p.weight_decay >= 0, "weight_decay must be >= 0"), (p.grad_clip_norm >= 0, "grad_clip_norm must be >= 0")]
+              (p.weight_decay >= 0, "weight_decay must be >= 0"),
+              (p.grad_clip_norm >= 0, "grad_clip_norm must be >= 0")]
     for ok, msg in checks:
         if not ok:
             raise UserError(f"optim_step: adam_params.{msg}")

@@ -133,9 +133,9 @@ class Service:
             self.executor.put([Op("release", mid, "", payload=None)])
 
     def capabilities(self) -> dict:
+        context = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
         return {"supported_models": [{"model_name": self.opts.model_name, "trainable": True,
-                                      "sampleable": self.sampler is not None,
-                                      "max_context_length": int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)}]}
+                                      "sampleable": self.sampler is not None, "max_context_length": context}]}
 
     def _session(self, session_id: Any, what: str) -> _Session:
         s = self.sessions.get(session_id) if isinstance(session_id, str) else None
@@ -354,10 +354,12 @@ class Service:
                     raise UserError(f"{what}: {key} is not supported by this server")
             if body.get("target_prompt_logprobs") is not None:
                 raise UserError(f"{what}: target_prompt_logprobs is not supported by this server")
-            job = SampleJob(prompt=prompt_tokens(body.get("prompt"), int(self.hf_config.vocab_size)), num_samples=n,
-                            prompt_logprobs=bool(body.get("prompt_logprobs") or False),
-                            prompt_logprobs_last_n=body.get("prompt_logprobs_last_n"),
-                            **parse_sampling_params(body.get("sampling_params") or {}))
+            prompt = prompt_tokens(body.get("prompt"), int(self.hf_config.vocab_size))
+            last_n = field_of(body, "prompt_logprobs_last_n", int, what, required=False)
+            if last_n is not None and not 1 <= last_n <= len(prompt) - 1:
+                raise UserError(f"{what}: prompt_logprobs_last_n={last_n} must be in [1, len(prompt) - 1]")
+            job = SampleJob(prompt=prompt, num_samples=n, prompt_logprobs=bool(body.get("prompt_logprobs") or False),
+                            prompt_logprobs_last_n=last_n, **parse_sampling_params(body.get("sampling_params") or {}))
             self.sample_executor.put([Op("sample", rid, rid, payload=job, merge_key=("sample", session.folder),
                                          size=n)])
         except UserError as e:
@@ -412,8 +414,9 @@ class Service:
         from dsrl.serve.lora import LoraPool, LoraSlot
 
         if self._pool is None:
-            self._pool = LoraPool(o.model_path, dtype=getattr(torch, o.dtype), attn_implementation=o.attn_implementation,
-                                  micro_batch_size=o.micro_batch_size, pad_id=self.pad_id)
+            self._pool = LoraPool(o.model_path, dtype=getattr(torch, o.dtype),
+                                  attn_implementation=o.attn_implementation, micro_batch_size=o.micro_batch_size,
+                                  pad_id=self.pad_id)
         tag = "slot_" + model_id.replace(":", "_").replace("-", "_")
         self._pool.add_slot(tag, spec)
         return LoraSlot(model_id, self._pool, tag, spec)
@@ -485,8 +488,9 @@ class Service:
 
     def _load_into(self, model, ckpt, optimizer: bool) -> None:
         if bool(ckpt.meta.get("is_lora")) != bool(model.is_lora):
-            raise UserError(f"load_weights: {ckpt.tinker_path} holds a {'LoRA' if ckpt.meta.get('is_lora') else 'full'} "
-                            f"state; this client is {'LoRA' if model.is_lora else 'full-parameter'}")
+            held = "LoRA" if ckpt.meta.get("is_lora") else "full"
+            raise UserError(f"load_weights: {ckpt.tinker_path} holds a {held} state; this client is "
+                            f"{'LoRA' if model.is_lora else 'full-parameter'}")
         if model.is_lora and ckpt.meta.get("lora_config", {}).get("rank") != model.lora_rank:
             raise UserError(f"load_weights: {ckpt.tinker_path} has LoRA rank {ckpt.meta['lora_config'].get('rank')}, "
                             f"this client {model.lora_rank}")
@@ -506,7 +510,8 @@ class Service:
         meta = self._meta_for(op.lane, model)
         if mode == "named":
             ckpt = self.store.write(op.lane, "sampler_weights", arg, meta, model.export_sampler)
-            self.futures.resolve(op.request_id, JsonReply({"type": "save_weights_for_sampler", "path": ckpt.tinker_path}))
+            reply = {"type": "save_weights_for_sampler", "path": ckpt.tinker_path}
+            self.futures.resolve(op.request_id, JsonReply(reply))
             return
         session_id = op.lane.split(":train:")[0]
         sid = f"{session_id}:sample:{arg}"

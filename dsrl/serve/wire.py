@@ -281,7 +281,8 @@ class SampledSequence:
     stopped: bool  # True: ended on a stop token/string (STOP); False: ran out of tokens (LENGTH)
 
 
-def encode_sample_response(sequences: Sequence[SampledSequence], prompt_logprobs: Optional[Sequence[Optional[float]]]) -> bytes:
+def encode_sample_response(sequences: Sequence[SampledSequence],
+                           prompt_logprobs: Optional[Sequence[Optional[float]]]) -> bytes:
     """Per sequence: int32 tokens, float32 log-probs, stop reason; prompt log-probs as float32
     with NaN where none is defined (position 0), which the SDK turns into None."""
     msg = SampleResponseProto()

@@ -49,8 +49,8 @@ def test_server_process_answers_the_sdk(tmp_path, tiny_model_path):
         import tinker
         from tinker import types
 
-        tc = tinker.ServiceClient(base_url=url, api_key="tml-entry-test").create_lora_training_client(
-            "tiny", rank=4, seed=0).result()
+        sc = tinker.ServiceClient(base_url=url, api_key="tml-entry-test")
+        tc = sc.create_lora_training_client("tiny", rank=4, seed=0).result()
         ids = tc.get_tokenizer().encode("2+2=4")
         d = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
                         loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
@@ -59,6 +59,7 @@ def test_server_process_answers_the_sdk(tmp_path, tiny_model_path):
         assert tc.forward([d], "cross_entropy").result().metrics["loss:sum"] < first
         path = tc.save_state("end").result().path
         assert os.path.isfile(os.path.join(tmp_path, "checkpoints", path[len("tinker://"):], "tinker.json"))
+        sc.close("success").result()
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -32,7 +32,9 @@ def server(tiny_model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sc(server):
-    return service_client(server.url)
+    client = service_client(server.url)
+    yield client
+    client.close("success").result()  # ends the session (and its heartbeats) before the server stops
 
 
 def _adam(lr=1e-2):
@@ -58,22 +60,56 @@ def test_lora_info_and_full_parameter_refused(sc):
         sc.create_lora_training_client("Qwen/Qwen3-8B", rank=4).result()
 
 
-def test_concurrent_clients_are_isolated(sc):
-    """A and B train at the same time (their requests interleave and may share forwards and one
-    optimizer step); each ends where it would have alone (C and D), and an idle client E never
-    moves."""
+def _hold_compute(service):
+    """Stop the compute thread at a gate op; returns (release, batches): every batch run after
+    the gate is recorded as [(kind, client), ...]."""
+    import threading
+
+    from dsrl.serve.executor import Op
+
+    gate, release, batches = service.futures.create(), threading.Event(), []
+    run = service.executor._run_batch
+
+    def recording(batch):
+        if batch[0].request_id == gate:
+            release.wait(60)
+        else:
+            batches.append([(op.kind, op.lane) for op in batch])
+        run(batch)
+
+    service.executor._run_batch = recording
+    service.executor.put([Op("fail", "gate", gate, payload=ValueError("gate"))])
+    return release, batches
+
+
+def test_concurrent_clients_are_isolated(sc, server):
+    """A and B train at the same time: their requests share one forward and one optimizer step
+    (held back until all four are queued); each ends where it would have alone (C and D), and an
+    idle client E never moves."""
     a, b, c, d, e = (_lora(sc, seed=s) for s in (1, 2, 1, 2, 3))
-    da, db = random_batch(3, "importance_sampling", seed=31), random_batch(2, "cross_entropy", seed=32)
+    da, db = random_batch(3, "cross_entropy", seed=31), random_batch(2, "cross_entropy", seed=32)
     probe = random_batch(2, "cross_entropy", seed=33)
     e_before = logprobs(e.forward(probe, "cross_entropy").result())
+    release, batches = _hold_compute(server.service)
+    futures = [a.forward_backward(da, "cross_entropy"), b.forward_backward(db, "cross_entropy"),
+               a.optim_step(_adam()), b.optim_step(_adam(3e-2))]
+    deadline = time.monotonic() + 30
+    while server.service.executor.queued() < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    release.set()
+    for f in futures:
+        f.result()
+    lanes = {a.model_id: "A", b.model_id: "B"}
+    assert [[(k, lanes[m]) for k, m in batch] for batch in batches[:2]] == [
+        [("fwdbwd", "A"), ("fwdbwd", "B")], [("optim", "A"), ("optim", "B")]]  # one forward, one step
     futures = []
-    for _ in range(3):
-        futures += [a.forward_backward(da, "importance_sampling"), b.forward_backward(db, "cross_entropy"),
+    for _ in range(2):
+        futures += [a.forward_backward(da, "cross_entropy"), b.forward_backward(db, "cross_entropy"),
                     a.optim_step(_adam()), b.optim_step(_adam(3e-2))]
     for f in futures:
         f.result()
     for _ in range(3):
-        c.forward_backward(da, "importance_sampling").result()
+        c.forward_backward(da, "cross_entropy").result()
         c.optim_step(_adam()).result()
     for _ in range(3):
         d.forward_backward(db, "cross_entropy").result()
@@ -176,7 +212,8 @@ def _fwdbwd_msg(model_id, seq_id, data, loss_fn="cross_entropy"):
     from tinker.proto.request_conv import forward_backward_request_to_proto
 
     return forward_backward_request_to_proto(types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn), model_id=model_id, seq_id=seq_id))
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn), model_id=model_id,
+        seq_id=seq_id))
 
 
 def test_out_of_order_duplicates_and_rejected_seq_ids(server):
@@ -192,7 +229,8 @@ def test_out_of_order_duplicates_and_rejected_seq_ids(server):
     mid = created["model_id"]
     assert raw.result(created["request_id"]) == {"type": "create_model", "model_id": mid}
     data = random_batch(2, "cross_entropy", seed=61)
-    adam = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+    adam = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+            "grad_clip_norm": 0.0}
     # seq 3 (a forward) and seq 2 (optim_step) arrive before seq 1 (forward_backward).
     f3 = raw.proto(_fwdbwd_msg(mid, 3, data))
     f2 = raw.post("optim_step", {"model_id": mid, "seq_id": 2, "adam_params": adam})
@@ -216,7 +254,8 @@ def test_out_of_order_duplicates_and_rejected_seq_ids(server):
     r = raw.http.post("optim_step", json={"model_id": "s-none:train:0", "seq_id": 1, "adam_params": adam})
     assert r.status_code == 400 and "unknown model_id" in r.json()["error"]
     # Finishing the session frees its clients: heartbeats get 410, requests a clear error.
-    assert raw.post("session_heartbeat", {"session_id": sid, "type": "session_heartbeat"})["type"] == "session_heartbeat"
+    beat = raw.post("session_heartbeat", {"session_id": sid, "type": "session_heartbeat"})
+    assert beat == {"type": "session_heartbeat"}
     raw.post(f"sessions/{sid}/finish", {"reason": {"type": "success"}, "detail": None})
     assert raw.http.post("session_heartbeat", json={"session_id": sid}).status_code == 410
     r = raw.http.post("optim_step", json={"model_id": mid, "seq_id": 6, "adam_params": adam})

@@ -276,7 +276,8 @@ def test_adapters_see_only_their_rows(pool):
     def data(n):
         return [{"model_input": rng.integers(3, 49152, 6).tolist(),
                  "loss_fn_inputs": {"target_tokens": rng.integers(3, 49152, 6).tolist(),
-                                    "logprobs": (-rng.uniform(5, 12, 6)).tolist(), "advantages": rng.normal(0, 1, 6).tolist()}}
+                                    "logprobs": (-rng.uniform(5, 12, 6)).tolist(),
+                                    "advantages": rng.normal(0, 1, 6).tolist()}}
                 for _ in range(n)]
     d0, d1 = data(3), data(2)
     sess = pool.session
