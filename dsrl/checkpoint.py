@@ -42,7 +42,7 @@ _PREFIX = "step-"
 RESUME_SAFE = ("name", "logger.", "trainer.total_steps", "trainer.save_every", "trainer.keep_checkpoints",
                "trainer.resume", "trainer.resume_from", "trainer.eval_before", "trainer.eval_after",
                "trainer.save_final", "trainer.check_rank_sync", "trainer.max_skipped_steps",
-               "rollout.max_restarts", "rollout.timeout_s", "data.num_eval")
+               "rollout.max_restarts", "rollout.timeout_s", "reward.timeout_s", "data.num_eval")
 
 
 def checkpoint_dir(run_dir: str, step: int) -> str:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dsrl.checkpoint import (config_record, load_rank_state, read_shared_state, restore_rng,
                              save_checkpoint)
 from dsrl.actor.batch import Sample, empty_microbatch, masked_rows
-from dsrl.actor.nonfinite import SkipCounter
+from dsrl.actor.nonfinite import SkipCounter, TrainingDiverged
 from dsrl.config.reuse import ReuseDecision, check_reuse_invariants, steps_per_rollout
 from dsrl.config.schema import Config
 from dsrl.data.registry import source_metrics
@@ -101,7 +101,13 @@ class Trainer:
             summary.update({f"{k}_before": v for k, v in self.evaluate().items()})
             say("greedy accuracy before training: %.3f", summary["eval/accuracy_before"])
         for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
-            metrics = self.step(step)
+            try:
+                metrics = self.step(step)
+            except TrainingDiverged:
+                # Weights and optimizer are those of the last good step; the prompt stream and RNGs
+                # have moved through this step, so the checkpoint is labelled with it.
+                self.save(step)
+                raise
             self.logger.log(step, metrics)
             say(self.logger.summary_line(step, metrics))
             if cfg.logger.plot and is_main_rank() and step % max(cfg.logger.plot_every, 1) == 0:
@@ -132,7 +138,7 @@ class Trainer:
         """Checkpoint the state after `step` (collective); returns its folder."""
         folder, seconds = save_checkpoint(
             self.run_dir, step, actor=self.actor, tokenizer=self.tokenizer, keep=self.cfg.trainer.keep_checkpoints,
-            rank_state={"prompt_rng": self.rng.getstate()},
+            rank_state={"prompt_rng": self.rng.getstate(), "skips": self.skips.state_dict()},
             shared={"metrics": self.logger.history, "config": config_record(self.cfg)})
         if is_main_rank():
             log.info("checkpoint of step %d: %s (%.1f s)", step, folder, seconds)
@@ -146,6 +152,7 @@ class Trainer:
         state = load_rank_state(folder)
         restore_rng(state["rng"])
         self.rng.setstate(state["trainer"]["prompt_rng"])
+        self.skips.load_state_dict(state["trainer"]["skips"])
         self.logger.restore(shared["metrics"])
         self.start_step = int(shared["step"])
         self.worker.push_weights(self.actor.state_dict_for_export(), self.start_step)
@@ -255,7 +262,7 @@ class Trainer:
         sums = self._forward_backward(microbatches, counts)
         grad_norm = self.actor.optimizer_step()
         # Non-finite loss/gradient: the actor skipped the step; TrainingDiverged after max_skipped_steps in a row.
-        self.skips.record(getattr(self.actor, "last_step_skipped", False))
+        self.skips.record(self.actor.last_step_skipped)
         if self.cfg.trainer.check_rank_sync:
             self._assert_ranks_in_sync()
         return self._step_metrics(sums, counts, grad_norm)

@@ -369,6 +369,7 @@ class _Engine:
 
     def __init__(self):
         self.steps = 0
+        self.last_step_skipped = False
 
     def score(self, microbatches, progress=None):
         import torch

@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 REQUIRED_KEYS = ["step", "reward/mean", "timing/rollout", "timing/old_logprobs", "timing/ref_logprobs",
                  "timing/train", "timing/weight_sync", "timing/step", "train/ppo_kl", "train/pg_clipfrac",
-                 "train/entropy", "train/grad_norm", "rollout/logprob_diff"]
+                 "train/entropy", "train/grad_norm", "rollout/logprob_diff", "rollout/restarts", "reward/errors",
+                 "reward/timeouts", "train/skipped_steps"]
 COMMON = ["+exp=grpo_reuse", "trainer.total_steps=2", "data.num_eval=8", "algo.rollout_batch_size=4",
           "algo.n_samples_per_prompt=4", "algo.global_batch_size=16", "rollout.max_new_tokens=8",
           "actor.lr=1e-4", "algo.entropy_coef=0.01", "model.dtype=float32", "rollout.dtype=float32"]  # random model: reward 0, entropy gives a gradient

@@ -42,6 +42,7 @@ class FakeEngine:
         self.score_calls = 0
         self.train_batches = []
         self.steps = 0
+        self.last_step_skipped = False
 
     def score(self, microbatches, progress=None):
         self.score_calls += 1
