@@ -152,7 +152,9 @@ class LoraPool:
         self._groups.pop(name, None)
         self.slots.pop(name)
         if self.slots:
-            self.peft.delete_adapter(name)
+            with warnings.catch_warnings():  # "active adapter deleted": every forward names its adapters per row
+                warnings.filterwarnings("ignore", message=".*was active which is now deleted.*")
+                self.peft.delete_adapter(name)
         else:
             # Last adapter gone: back to the bare base model (PEFT cannot delete its last adapter).
             self._base = self.peft.unload()
