@@ -42,6 +42,7 @@ KNOWN_NOISE = (
     "Reset SSM cache type",  # Mamba-only setting
     "RotaryEmbedding: Failed to load weights",  # has no weights; reload_weights reports it on every push
     "ParallelLMHead: Failed to load weights",  # tied head: dsrl re-ties it after each push (reload_and_retie)
+    "does not officially support disabling chunked prefill",  # on CPU on purpose: dsrl.rollout.seeds
 )
 
 

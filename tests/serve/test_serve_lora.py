@@ -14,7 +14,6 @@ from serve_helpers import (
     MODEL_NAME,
     logprobs,
     random_batch,
-    service_client,
     start_server,
 )
 
@@ -28,13 +27,6 @@ def server(tiny_model_path, tmp_path_factory):
                        lora_alpha=16.0)
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def sc(server):
-    client = service_client(server.url)
-    yield client
-    client.close("success").result()  # ends the session (and its heartbeats) before the server stops
 
 
 def _adam(lr=1e-2):

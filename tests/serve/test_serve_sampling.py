@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from serve_helpers import MODEL_NAME, datum, logprobs, service_client, start_server
+from serve_helpers import MODEL_NAME, datum, logprobs, start_server
 
 pytestmark = pytest.mark.slow  # vLLM engine start (~30-60 s on a shared 2-core machine)
 
@@ -22,13 +22,6 @@ def server(tiny_model_path, tmp_path_factory):
                        sampler=SAMPLER, allow_full_parameter=False)
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def sc(server):
-    client = service_client(server.url)
-    yield client
-    client.close("success").result()  # ends the session (and its heartbeats) before the server stops
 
 
 def _types():

@@ -14,7 +14,6 @@ from serve_helpers import (
     formula_loss,
     logprobs,
     random_batch,
-    service_client,
     sft_batch,
     start_server,
 )
@@ -27,13 +26,6 @@ def server(tiny_model_path, tmp_path_factory):
     srv = start_server(tiny_model_path, tmp_path_factory.mktemp("serve_store"), max_chunk_datums=2)
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def sc(server):
-    client = service_client(server.url)
-    yield client
-    client.close("success").result()  # ends the session (and its heartbeats) before the server stops
 
 
 @pytest.fixture(scope="module")
