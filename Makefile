@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 export RAY_AUTH_MODE ?= disabled
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup train train-2rank test test-fast bench-reuse bench-seeds bench-logprobs clean-outputs
+.PHONY: setup train train-2rank test test-fast bench-reuse bench-dtype bench-seeds bench-logprobs clean-outputs
 
 setup: $(STAMP)
 
@@ -29,6 +29,9 @@ test-fast: setup
 
 bench-reuse: setup
 	$(PY) bench/bench_reuse.py $(ARGS)
+
+bench-dtype: setup
+	$(PY) bench/bench_dtype.py $(ARGS)
 
 bench-seeds: setup
 	$(PY) bench/bench_seeded_sampling.py $(ARGS)
