@@ -15,6 +15,7 @@ there, over-long prompt) raise a DataError naming file and row, or with `data.on
 are dropped, counted (`skipped_rows`) and logged once. Nothing is ever truncated."""
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 import logging
@@ -54,7 +55,7 @@ def split_by_hash(prompts: List[Prompt], fraction: float) -> tuple:
     return train, evals
 
 
-class FileSource:
+class FileSource(abc.ABC):
     """Prompts read from the user's files (see the module docstring). Subclasses set `format`."""
 
     format = ""
@@ -127,8 +128,9 @@ class FileSource:
         return []
 
     # ---------------------------------------------------------------- reading
+    @abc.abstractmethod
     def _rows(self, file: str, split: str, split_key: str):
-        raise NotImplementedError
+        """(where, row number, record) of every row of one file (jsonl / parquet / hf folder)."""
 
     def _needed(self) -> list:
         needed = [(self.prompt_key, "data.prompt_key")]

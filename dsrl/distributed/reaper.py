@@ -10,6 +10,7 @@ grace period) and exits. It ignores SIGINT/SIGTERM so that a signal to the whole
 (Ctrl-C in a terminal) cannot take it down before it has done its job."""
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import subprocess
@@ -41,11 +42,9 @@ class Reaper:
         """Clean exit: the watchdog stops without killing anything."""
         stdin = self._proc.stdin
         if stdin is not None and not stdin.closed:
-            try:
+            with contextlib.suppress(OSError):  # BrokenPipeError: the watchdog is already gone
                 stdin.write(_GOODBYE + "\n")
                 stdin.close()
-            except (BrokenPipeError, OSError):
-                pass  # the watchdog is already gone
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -57,12 +56,10 @@ def _descendants(parent: int) -> list:
     import psutil
 
     out = []
-    try:
+    with contextlib.suppress(psutil.Error):  # the parent is gone: nothing new to track
         for p in psutil.Process(parent).children(recursive=True):
             if p.pid != os.getpid():
                 out.append((p, p.create_time()))
-    except psutil.Error:
-        pass
     return out
 
 
@@ -77,16 +74,12 @@ def _terminate(tracked: list) -> None:
         except psutil.Error:
             continue
     for p in alive:
-        try:
+        with contextlib.suppress(psutil.Error):  # already gone
             p.terminate()
-        except psutil.Error:
-            pass
     _, still = psutil.wait_procs(alive, timeout=_GRACE_S)
     for p in still:
-        try:
+        with contextlib.suppress(psutil.Error):
             p.kill()
-        except psutil.Error:
-            pass
 
 
 def _watch(parent: int) -> int:
