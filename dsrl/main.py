@@ -103,19 +103,15 @@ def build(cfg_node: DictConfig, run_dir: str):
     _resolve_hardware(cfg, cfg_node)  # `auto` dtypes / kernels / threads, before any model loads
     decision = decide_reuse(cfg)
 
-    import functools
-
     import torch
     from transformers import AutoTokenizer
 
     from dsrl.actor.engine import init_distributed
     from dsrl.data.lengths import check_prompt_lengths
     from dsrl.data.registry import build_source
-    from dsrl.distributed.ranks import global_rank, is_main_rank, local_rank, world_size
-    from dsrl.hardware import local_world_size
+    from dsrl.distributed.ranks import is_main_rank, world_size
     from dsrl.reward.registry import verifier_for_source
-    from dsrl.rollout.resilient import ResilientWorker
-    from dsrl.rollout.vllm_worker import VLLMWorker
+    from dsrl.rollout.factory import build_rollout
     from dsrl.setup_assets import default_cache_dir, resolve_model_path
     from dsrl.tracking.console import prints_to_log
 
@@ -129,7 +125,6 @@ def build(cfg_node: DictConfig, run_dir: str):
     with prints_to_log("DeepSpeed", verbose=cfg.logger.verbose):  # its op-loading notices go to run.log
         init_distributed()
     torch.manual_seed(cfg.trainer.seed)
-    local_world = local_world_size(world_size())
     torch.set_num_threads(cfg.actor.num_threads)  # resolved by dsrl.hardware
     resume_point = _resume_point(cfg, run_dir)  # a config that breaks exact resume fails here
     if is_main_rank():
@@ -138,15 +133,7 @@ def build(cfg_node: DictConfig, run_dir: str):
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     check_prompt_lengths(source, tokenizer, cfg)  # over-long prompts: named error or skipped, before any engine
-    # A dead or hung engine is rebuilt with these same arguments (dsrl.rollout.resilient).
-    make_engine = functools.partial(
-        VLLMWorker, model_path, dtype=cfg.rollout.dtype, seed=cfg.rollout.seed + 1000 * global_rank(),
-        max_model_len=cfg.rollout.max_model_len, kv_cache_gib=cfg.rollout.kv_cache_gib,
-        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, enforce_eager=cfg.rollout.enforce_eager,
-        local_rank=local_rank(), local_world=local_world,
-        weights_dir=os.path.join(run_dir, ".weights", f"rank{global_rank()}"))
-    worker = ResilientWorker(make_engine, name=f"vLLM engine of rank {global_rank()} ({model_path})",
-                             max_restarts=cfg.rollout.max_restarts, timeout_s=cfg.rollout.timeout_s)
+    worker = build_rollout(cfg, model_path, run_dir)  # before the models (colocated engines size memory first)
     try:
         trainer = _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir)
         if resume_point is not None:

@@ -155,34 +155,25 @@ class Trainer:
         self.skips.load_state_dict(state["trainer"]["skips"])
         self.logger.restore(shared["metrics"])
         self.start_step = int(shared["step"])
-        self.worker.push_weights(self.actor.state_dict_for_export(), self.start_step)
+        self._push_weights(self.start_step)
         if is_main_rank():
             log.info("resumed from %s: continuing after step %d", folder, self.start_step)
         return self.start_step
 
     def step(self, step: int) -> dict:
-        cfg, a = self.cfg, self.cfg.algo
         t_step = time.perf_counter()
         self.skips.step = step
 
         # 1-2. rollout + reward (this rank's share of the prompts)
         with self.timer.phase("rollout"):
-            prompts = self.source.sample_train(self.prompts_per_rank, self.rng)
-            ids = [self.prompt_ids(p) for p in prompts]
-            seeds = request_seeds(cfg.rollout.seed, step, global_rank() * self.prompts_per_rank, len(ids))
-            samples = generate_samples(self.worker, ids, prompts, self.verifier, n=a.n_samples_per_prompt,
-                                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                       max_tokens=cfg.rollout.max_new_tokens,
-                                       show_progress=cfg.logger.progress and is_main_rank(), seeds=seeds)
+            samples = self._collect_samples(step)
 
         # 3-5. scoring passes, advantages, optimizer step(s)
         metrics = self.train_on(samples)
 
-        # 6. weight push (full weights; gathered under ZeRO-3), verified on the next step's samples
+        # 6. weight push, verified on the next step's samples
         with self.timer.phase("weight_sync"):
-            state = self.actor.state_dict_for_export()
-            self.worker.push_weights(state, step)
-            del state
+            metrics.update(self._push_weights(step))
 
         rewards = [s.reward for s in samples]
         lens = [len(s.response_ids) for s in samples]
@@ -195,6 +186,26 @@ class Trainer:
         metrics["rollout/response_length"] = tot[2] / max(tot[1], 1)
         metrics["timing/step"] = time.perf_counter() - t_step
         return metrics
+
+    # ------------------------------------------------------------------ rollout and weight push
+    def _collect_samples(self, step: int) -> List[Sample]:
+        """This rank's rollout samples of `step`, scored by the verifier."""
+        cfg, a = self.cfg, self.cfg.algo
+        prompts = self.source.sample_train(self.prompts_per_rank, self.rng)
+        ids = [self.prompt_ids(p) for p in prompts]
+        seeds = request_seeds(cfg.rollout.seed, step, global_rank() * self.prompts_per_rank, len(ids))
+        return generate_samples(self.worker, ids, prompts, self.verifier, n=a.n_samples_per_prompt,
+                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                max_tokens=cfg.rollout.max_new_tokens,
+                                show_progress=cfg.logger.progress and is_main_rank(), seeds=seeds)
+
+    def _push_weights(self, step: int) -> dict:
+        """The actor's weights after `step` into the rollout engine (full weights; gathered under
+        ZeRO-3); returns the push's metrics."""
+        state = self.actor.state_dict_for_export()
+        self.worker.push_weights(state, step)
+        del state
+        return {}
 
     # ------------------------------------------------------------------ training
     def train_on(self, samples: List[Sample]) -> dict:
