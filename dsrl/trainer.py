@@ -4,11 +4,13 @@ components are built in dsrl.main and handed in."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
 import random
 import time
+from types import SimpleNamespace
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -18,9 +20,13 @@ from dsrl.checkpoint import (config_record, load_rank_state, read_shared_state, 
                              save_checkpoint)
 from dsrl.actor.batch import Sample, empty_microbatch, masked_rows
 from dsrl.actor.nonfinite import SkipCounter, TrainingDiverged
+from dsrl.actor.reuse_probe import judge, max_mismatch, mismatch_sums, missing_rollout_log_probs, probe_indices
+from dsrl.actor.packing import padded_tokens, plan_microbatches
+from dsrl.actor.shared_prompt import engine_uses_shared_prompt
 from dsrl.config.reuse import ReuseDecision, check_reuse_invariants, steps_per_rollout
 from dsrl.config.schema import Config
 from dsrl.data.registry import source_metrics
+from dsrl.distributed.collectives import all_reduce_, all_reduce_max, all_reduce_sum  # NCCL-safe host statistics
 from dsrl.distributed.ranks import global_rank, is_main_rank, world_size
 from dsrl.loss.advantages import compute_advantages
 from dsrl.loss.options import objective_config
@@ -29,9 +35,13 @@ from dsrl.loss.skip import zero_advantage_skip
 from dsrl.loss.types import Aggregator
 from dsrl.registry import load_callable
 from dsrl.rollout.seeds import request_seeds
+from dsrl.rollout.dynamic import Rollout, collect_rollout
 from dsrl.rollout.faults import fault_metrics
+from dsrl.rollout.memory import EngineMemory, sleep_mode_wanted
+from dsrl.rollout.overlap import BackgroundRollout
 from dsrl.rollout.rewards import RewardGuard
 from dsrl.rollout.samples import generate_samples, pack_microbatches
+from dsrl.rollout.weight_sync import WeightSync
 from dsrl.tracking import MetricsLogger, PhaseTimer, microbatch_bar, plot_run
 
 log = logging.getLogger("dsrl")
@@ -59,20 +69,14 @@ class StepCounts(NamedTuple):
     microbatches: float
 
 
-def all_reduce_sum(values: List[float]) -> List[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
 class Trainer:
     def __init__(self, cfg: Config, *, actor, ref, worker, tokenizer, source, verifier, prompt_ids_fn,
                  decision: ReuseDecision, run_dir: str, teacher=None):
         self.cfg, self.actor, self.ref, self.teacher, self.worker = cfg, actor, ref, teacher, worker
         self.tokenizer, self.source, self.verifier, self.prompt_ids = tokenizer, source, verifier, prompt_ids_fn
         self.decision, self.run_dir = decision, run_dir
-        self.verifier = RewardGuard.wrap(verifier, cfg.reward.timeout_s)  # raises/hangs: reward 0, counted
+        # Raises/hangs: reward 0, counted; up to reward.concurrency calls in flight.
+        self.verifier = RewardGuard.wrap(verifier, cfg.reward.timeout_s, cfg.reward.concurrency)
         self.skips = SkipCounter(cfg.trainer.max_skipped_steps)  # non-finite optimizer steps
         self.algo = dataclasses.asdict(cfg.algo)
         self.objective = get_objective(cfg.algo.policy_loss)
@@ -89,6 +93,11 @@ class Trainer:
         self.steps_per_rollout = steps_per_rollout(cfg)
         self.start_step = 0  # the last finished step (restore() sets it from a checkpoint)
         self.stop_signal: Optional[int] = None  # set by a signal handler: stop after this step
+        self.next_rollout: BackgroundRollout[Rollout] = BackgroundRollout()  # algo.off_policy_steps=1
+        self.weights_step = 0  # the step whose weights the rollout engine holds (0: the initial ones)
+        # A colocated CUDA engine sleeps through the train phase (dsrl.rollout.memory); a no-op elsewhere.
+        self.memory = EngineMemory(worker, sleep_mode_wanted(cfg))
+        self.weight_sync = WeightSync(actor, worker, cfg.rollout, memory=self.memory)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -115,6 +124,7 @@ class Trainer:
             saved = self.save(step) if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 else None
             if all_reduce_max(self.stop_signal or 0):  # a signal reached some rank: stop together
                 raise RunStopped(int(all_reduce_max(self.stop_signal or 0)), step, saved or self.save(step))
+        self.next_rollout.wait()  # no generation in flight beside the greedy eval (the last step starts none)
         if cfg.trainer.eval_after:
             summary.update({f"{k}_after": v for k, v in self.evaluate().items()})
             say("greedy accuracy after training: %.3f", summary["eval/accuracy_after"])
@@ -138,7 +148,8 @@ class Trainer:
         """Checkpoint the state after `step` (collective); returns its folder."""
         folder, seconds = save_checkpoint(
             self.run_dir, step, actor=self.actor, tokenizer=self.tokenizer, keep=self.cfg.trainer.keep_checkpoints,
-            rank_state={"prompt_rng": self.rng.getstate(), "skips": self.skips.state_dict()},
+            rank_state={"prompt_rng": self.rng.getstate(), "skips": self.skips.state_dict(),
+                        "next_rollout": self._next_rollout_state()},
             shared={"metrics": self.logger.history, "config": config_record(self.cfg)})
         if is_main_rank():
             log.info("checkpoint of step %d: %s (%.1f s)", step, folder, seconds)
@@ -153,9 +164,11 @@ class Trainer:
         restore_rng(state["rng"])
         self.rng.setstate(state["trainer"]["prompt_rng"])
         self.skips.load_state_dict(state["trainer"]["skips"])
+        self._restore_next_rollout(state["trainer"].get("next_rollout"))
         self.logger.restore(shared["metrics"])
         self.start_step = int(shared["step"])
         self._push_weights(self.start_step)
+        self.weights_step = self.start_step
         if is_main_rank():
             log.info("resumed from %s: continuing after step %d", folder, self.start_step)
         return self.start_step
@@ -164,23 +177,34 @@ class Trainer:
         t_step = time.perf_counter()
         self.skips.step = step
 
-        # 1-2. rollout + reward (this rank's share of the prompts)
+        # 1-2. rollout + reward (this rank's share of the prompts). Under algo.off_policy_steps=1
+        # it was generated during the previous step, and the next step's starts now, beside training.
+        with self.timer.phase("rollout"), self.memory.for_rollout():
+            rollout = self._collect_samples(step)
+        if self.cfg.algo.off_policy_steps and step < self.cfg.trainer.total_steps:
+            self._start_next_rollout(step + 1)
+
+        # 3-5. scoring passes, advantages, optimizer step(s); a colocated CUDA engine sleeps meanwhile
+        with self.memory.for_training():
+            metrics = self.train_on(rollout.samples)
+
+        # 6. weight push, verified on the next step's samples (under overlap rollout/logprob_diff
+        # also holds one step of policy change); never while a generation is in flight (vLLM must
+        # not load weights mid-generation): time spent waiting for it counts as rollout.
         with self.timer.phase("rollout"):
-            samples = self._collect_samples(step)
-
-        # 3-5. scoring passes, advantages, optimizer step(s)
-        metrics = self.train_on(samples)
-
-        # 6. weight push, verified on the next step's samples
+            self.next_rollout.wait()
         with self.timer.phase("weight_sync"):
             metrics.update(self._push_weights(step))
+        self.weights_step = step
 
-        rewards = [s.reward for s in samples]
-        lens = [len(s.response_ids) for s in samples]
-        tot = all_reduce_sum([sum(rewards), len(rewards), sum(lens)])
+        # Rewards and lengths of every generated sample (dynamic sampling's dropped groups too).
+        tot = all_reduce_sum([rollout.reward_sum, rollout.generated, rollout.length_sum])
         metrics.update(self.timer.pop())
-        metrics.update(source_metrics(self.source))
-        metrics.update(fault_metrics(self.worker, self.verifier))  # rollout/restarts, reward/errors|timeouts
+        metrics.update(rollout.source_metrics)
+        # rollout/restarts, reward/errors|timeouts: the rollout's (counted when it finished) + the push's
+        counted = SimpleNamespace(pop_metrics=lambda: rollout.fault_counts)
+        metrics.update(fault_metrics(counted, self.worker, self.verifier))
+        metrics.update(self._rollout_metrics(step, rollout))
         metrics["train/skipped_steps"] = float(self.skips.total)
         metrics["reward/mean"] = tot[0] / max(tot[1], 1)
         metrics["rollout/response_length"] = tot[2] / max(tot[1], 1)
@@ -188,24 +212,84 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ rollout and weight push
-    def _collect_samples(self, step: int) -> List[Sample]:
-        """This rank's rollout samples of `step`, scored by the verifier."""
+    def _collect_samples(self, step: int) -> Rollout:
+        """This rank's scored rollout of `step`: the one generated in the background during the
+        previous step (algo.off_policy_steps=1; or restored from a checkpoint), else generated now."""
+        if self.next_rollout.holds(step):
+            return self.next_rollout.take(step)
+        return self._rollout(step, weights_step=self.weights_step,
+                             show_progress=self.cfg.logger.progress and is_main_rank())
+
+    def _start_next_rollout(self, step: int) -> None:
+        """Generate `step`'s rollout in a background thread with the weights the engine holds now
+        (one step stale by the time it is trained). The main thread draws no prompts, pushes no
+        weights and runs no eval until it is joined (dsrl.rollout.overlap)."""
+        self.next_rollout.start(step, functools.partial(self._rollout, step, weights_step=self.weights_step,
+                                                        show_progress=False))  # no bar beside the train bar
+
+    def _rollout(self, step: int, *, weights_step: int, show_progress: bool) -> Rollout:
+        """Draw prompts, generate and score them (with dynamic sampling: in rounds, dsrl.rollout.dynamic).
+        Collective-free and touching only the worker, verifier and prompt stream: it may run in the
+        background thread. Request seeds are unique per (step, round, global prompt index)."""
         cfg, a = self.cfg, self.cfg.algo
-        prompts = self.source.sample_train(self.prompts_per_rank, self.rng)
-        ids = [self.prompt_ids(p) for p in prompts]
-        seeds = request_seeds(cfg.rollout.seed, step, global_rank() * self.prompts_per_rank, len(ids))
-        return generate_samples(self.worker, ids, prompts, self.verifier, n=a.n_samples_per_prompt,
-                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                max_tokens=cfg.rollout.max_new_tokens,
-                                show_progress=cfg.logger.progress and is_main_rank(), seeds=seeds)
+        t0 = time.perf_counter()
+        first_prompt = global_rank() * self.prompts_per_rank
+
+        def generate_round(sampling_round: int, count: int) -> List[Sample]:
+            prompts = self.source.sample_train(count, self.rng)
+            ids = [self.prompt_ids(p) for p in prompts]
+            seeds = request_seeds(cfg.rollout.seed, step, first_prompt, len(ids), sampling_round)
+            return generate_samples(self.worker, ids, prompts, self.verifier, n=a.n_samples_per_prompt,
+                                    temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                    max_tokens=cfg.rollout.max_new_tokens, show_progress=show_progress, seeds=seeds)
+
+        out = collect_rollout(generate_round, share=self.prompts_per_rank, dynamic=a.dynamic_sampling,
+                              max_rounds=a.max_sampling_rounds)
+        out.weights_step, out.seconds = weights_step, time.perf_counter() - t0
+        # This rank's fault counts, taken now: under overlap the next rollout starts before this
+        # one's step logs its metrics.
+        for counter in (self.worker, self.verifier):
+            pop = getattr(counter, "pop_metrics", None)
+            for name, value in (pop() if pop is not None else {}).items():
+                out.fault_counts[name] = out.fault_counts.get(name, 0.0) + float(value)
+        out.source_metrics = source_metrics(self.source)
+        return out
+
+    def _rollout_metrics(self, step: int, rollout: Rollout) -> dict:
+        """Staleness (steps between the generating and the trained weights) and, with dynamic
+        sampling, its rounds and group counts over all ranks. Collective."""
+        a = self.cfg.algo
+        out = {"rollout/staleness": float(step - 1 - rollout.weights_step),
+               "rollout/generation_s": all_reduce_max(rollout.seconds)}
+        if not a.dynamic_sampling:
+            return out
+        kept, dropped, filler, surplus = all_reduce_sum([rollout.kept_groups, rollout.dropped_groups,
+                                                         rollout.filler_groups, rollout.surplus_groups])
+        rounds = all_reduce_max(rollout.rounds)
+        out.update({"rollout/sampling_rounds": rounds, "rollout/kept_groups": kept, "rollout/dropped_groups": dropped,
+                    "rollout/filler_groups": filler, "rollout/surplus_groups": surplus})
+        if filler and is_main_rank():
+            log.warning("dynamic sampling: step %d found %d of algo.rollout_batch_size=%d informative groups in %d "
+                        "round(s) (algo.max_sampling_rounds=%d); training on those plus %d all-equal (zero-advantage) "
+                        "groups", step, int(kept), a.rollout_batch_size, int(rounds), a.max_sampling_rounds,
+                        int(filler))
+        return out
+
+    def _next_rollout_state(self):
+        """(step, rollout) of a finished background rollout, for the checkpoint (resume trains it
+        as the uninterrupted run would), or None."""
+        held = self.next_rollout.finished_value()
+        return None if held is None else (self.next_rollout.step, held)
+
+    def _restore_next_rollout(self, state) -> None:
+        if state is not None:
+            self.next_rollout.preload(*state)
 
     def _push_weights(self, step: int) -> dict:
-        """The actor's weights after `step` into the rollout engine (full weights; gathered under
-        ZeRO-3); returns the push's metrics."""
-        state = self.actor.state_dict_for_export()
-        self.worker.push_weights(state, step)
-        del state
-        return {}
+        """The actor's weights after `step` into the rollout engine(s), bucketed and without disk,
+        then checked on a fixed probe (dsrl.rollout.weight_sync); returns the sync's metrics
+        (rollout/sync_seconds, _bytes, _buckets, _logprob_diff). Collective: every rank."""
+        return self.weight_sync.push(step)
 
     # ------------------------------------------------------------------ training
     def train_on(self, samples: List[Sample]) -> dict:
@@ -220,9 +304,15 @@ class Trainer:
 
         # Scoring passes that are actually needed (the old-policy pass is skipped under reuse;
         # a skipped pass reports exactly 0.0 s).
-        if self.decision.run_old_pass:
+        reuse_metrics: dict = {}
+        if self.decision.probe:  # adaptive: rollout log-probs as the old policy unless the probe objects
+            with self.timer.phase("old_logprobs"):
+                data["old_log_probs"], reuse_metrics = self._old_policy_by_probe(samples, data["rollout_log_probs"])
+        elif self.decision.run_old_pass:
             with self.timer.phase("old_logprobs"):
                 data["old_log_probs"] = self._score(self.actor, samples, "actor forward")
+        if self.cfg.algo.reuse_logprobs == "adaptive" and not reuse_metrics:
+            reuse_metrics = {"reuse/full_pass": float(self.decision.run_old_pass)}
         if self.ref is not None:
             with self.timer.phase("ref_logprobs"):
                 data["ref_log_probs"] = self._score(self.ref, samples, "ref forward")
@@ -245,7 +335,32 @@ class Trainer:
                                          all_samples=samples[lo:hi])
                 for n, v in m.items():
                     metrics[n] = metrics.get(n, 0.0) + v / self.steps_per_rollout
+        metrics.update(reuse_metrics)
         return metrics
+
+    def _old_policy_by_probe(self, samples: List[Sample], rollout_log_probs: list) -> tuple:
+        """algo.reuse_logprobs=adaptive: re-score a reproducible sample of the sequences (all ranks
+        decide together: the mismatch is all-reduced), then either the rollout log-probs (copies)
+        or, when the probe objects, the full old-policy pass. Returns (old_log_probs, metrics)."""
+        a = self.cfg.algo
+        say = log.info if is_main_rank() else log.debug
+        missing = missing_rollout_log_probs([len(s.response_ids) for s in samples], rollout_log_probs)
+        step = self.skips.step or 0  # the RL step in progress (set by step())
+        idx = probe_indices(len(samples), a.reuse_probe_fraction, seed=self.cfg.data.seed, step=step, rank=global_rank())
+        scored = self._score(self.actor, [samples[i] for i in idx], "reuse probe") if idx else []
+        sums = mismatch_sums(scored, [rollout_log_probs[i] for i in idx]) if missing is None else [0.0, 0.0, 0.0]
+        # A rank without usable rollout log-probs forces the full pass on every rank (NaN never passes).
+        total = all_reduce_sum([*sums, float(missing is not None)])
+        verdict = judge(total[:3], max_mismatch(self.cfg))
+        if total[3] > 0:
+            verdict = dataclasses.replace(verdict, full_pass=True, reason=(
+                "reuse_logprobs=adaptive: rollout log-probs missing or not covering the response"
+                + (f" (sample {missing} on rank {global_rank()})" if missing is not None else " on another rank")
+                + ": full old-policy pass this step"))
+        (say if verdict.full_pass else log.debug)("step %d: %s", step, verdict.reason)
+        if verdict.full_pass:
+            return self._score(self.actor, samples, "actor forward"), verdict.metrics()
+        return [lp.clone() for lp in rollout_log_probs], verdict.metrics()
 
     def _trained_samples(self, advantages: list) -> List[int]:
         """Indices of the samples that go through the training forward: all of them, unless
@@ -257,7 +372,10 @@ class Trainer:
         return keep
 
     def _score(self, engine, samples: List[Sample], desc: str) -> list:
-        mbs = pack_microbatches(samples, self.cfg.actor.forward_micro_batch_size, self.pad_id)
+        """Forward-only log-probs of each sample's response tokens, in the engine's layout
+        (shared-prompt where exact for that engine: the training forward uses the same one)."""
+        mbs = pack_microbatches(samples, self.cfg.actor.forward_micro_batch_size, self.pad_id,
+                                shared_prompt=engine_uses_shared_prompt(self.cfg, engine))
         with microbatch_bar(len(mbs), desc, enabled=self.cfg.logger.progress) as bar:
             scored = engine.score(mbs, progress=bar)
         out = []
@@ -280,25 +398,36 @@ class Trainer:
 
     def _step_counts(self, samples: List[Sample], all_samples: List[Sample]) -> StepCounts:
         """Global (all ranks) token/sequence counts of the step, trained and in all."""
-        mbs = self.cfg.actor.micro_batch_size
+        ac = self.cfg.actor
+        plan = plan_microbatches(samples, micro_batch_size=ac.micro_batch_size, max_tokens=ac.max_tokens_per_microbatch,
+                                 shared_prompt=engine_uses_shared_prompt(self.cfg, self.actor))
         tokens, seqs, trained_tokens, trained_seqs, n_mb = all_reduce_sum(
             [sum(len(s.response_ids) for s in all_samples), len(all_samples),
-             sum(len(s.response_ids) for s in samples), len(samples), -(-len(samples) // mbs)])
+             sum(len(s.response_ids) for s in samples), len(samples), len(plan)])
         return StepCounts(tokens, seqs, trained_tokens, trained_seqs, n_mb)
 
     def _microbatches(self, samples: List[Sample], token_fields: dict) -> List[dict]:
         """This rank's microbatches, padded with empty (all-zero-mask) ones to the largest count
-        of any rank: every rank must run the same number of backward calls (ZeRO collectives)."""
-        mbs = pack_microbatches(samples, self.cfg.actor.micro_batch_size, self.pad_id, token_fields) if samples else []
+        of any rank: every rank must run the same number of backward calls (ZeRO collectives).
+        Layout and grouping: actor.shared_prompt and actor.max_tokens_per_microbatch."""
+        ac = self.cfg.actor
+        mbs = pack_microbatches(samples, ac.micro_batch_size, self.pad_id, token_fields,
+                                max_tokens=ac.max_tokens_per_microbatch,
+                                shared_prompt=engine_uses_shared_prompt(self.cfg, self.actor)) if samples else []
         n_mb = max(1, int(all_reduce_max(len(mbs))))
         while len(mbs) < n_mb:
             mbs.append(empty_microbatch(self.pad_id, ["rollout_log_probs", *token_fields]))
         return mbs
 
     def _forward_backward(self, microbatches: List[dict], counts: StepCounts) -> dict:
-        """Forward/backward every microbatch with its objective; returns summed metric partials."""
+        """Forward/backward every microbatch with its objective; returns summed metric partials
+        (plus train/pad_fraction: padded / all token positions of the step's microbatches, all
+        ranks, the empty rank-padding microbatches left out; carried by rank 0 only, as the
+        partials are summed over ranks)."""
         a = self.cfg.algo
-        sums: dict = {}
+        real = [padded_tokens(mb) for mb in microbatches if mb.get("sample_indices") != [-1]]
+        padded, total = all_reduce_sum([sum(p for p, _ in real), sum(t for _, t in real)])
+        sums: dict = {"train/pad_fraction": padded / max(total, 1.0) if global_rank() == 0 else 0.0}
         with microbatch_bar(len(microbatches), "actor train", enabled=self.cfg.logger.progress) as bar:
             for i, mb in enumerate(microbatches):
                 for hook in self.hooks:
@@ -367,8 +496,8 @@ class Trainer:
             digest = torch.stack([p.detach().double().sum() + p.detach().double().abs().sum()
                                   for p in self.actor.module.parameters()])
         lo, hi = digest.clone(), digest.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        all_reduce_(lo, op=dist.ReduceOp.MIN)  # on the backend's device whatever the parameters' (offload)
+        all_reduce_(hi, op=dist.ReduceOp.MAX)
         if not torch.equal(lo, hi):
             bad = int((lo != hi).nonzero()[0].item())
             raise RuntimeError(f"ranks diverged after the optimizer step (parameter #{bad} differs)")
@@ -381,9 +510,10 @@ class Trainer:
         splits = sorted({str(p.meta.get("split", "eval")) for p in prompts})
         mine = prompts[global_rank()::world_size()]
         ids = [self.prompt_ids(p) for p in mine]
-        groups = self.worker.generate(ids, n=1, temperature=0.0, top_p=1.0,
-                                      max_tokens=self.cfg.rollout.max_new_tokens,
-                                      show_progress=self.cfg.logger.progress and is_main_rank())
+        with self.memory.for_rollout():
+            groups = self.worker.generate(ids, n=1, temperature=0.0, top_p=1.0,
+                                          max_tokens=self.cfg.rollout.max_new_tokens,
+                                          show_progress=self.cfg.logger.progress and is_main_rank())
         counts = [0.0] * (2 * len(splits) + 2)
         for g, p in zip(groups, mine):
             ok = float(self.verifier(g[0].text, p))
@@ -399,9 +529,3 @@ class Trainer:
                 out[f"eval/accuracy[{name}]"] = totals[2 + 2 * j] / max(totals[3 + 2 * j], 1)
         return out
 
-
-def all_reduce_max(value: float) -> float:
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())

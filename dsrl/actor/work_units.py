@@ -34,6 +34,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from dsrl.actor.batch import empty_microbatch
+from dsrl.distributed.collectives import all_reduce_
 from dsrl.loss import tinker as tinker_losses
 from dsrl.loss.registry import OBJECTIVES, ObjectiveSpec
 from dsrl.loss.types import Aggregator
@@ -248,7 +249,7 @@ class TrainingSession:
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if multi:
             t = torch.tensor([n_local], dtype=torch.long)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            all_reduce_(t, op=dist.ReduceOp.MAX)  # NCCL-safe (dsrl.distributed.collectives)
             n_global = int(t.item())
 
         outputs: list = [None] * len(prepared)
@@ -271,5 +272,5 @@ class TrainingSession:
                 if rec.get("elementwise_loss") is not None:  # a custom objective may not give it
                     outputs[i]["elementwise_loss"] = rec["elementwise_loss"].to(torch.float32).clone()
         if multi:
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+            all_reduce_(loss_sum, op=dist.ReduceOp.SUM)
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": float(loss_sum.item())})

@@ -12,10 +12,16 @@ The decision is taken at three points, each before anything it protects runs:
 3. `reuse_for_model(...)`: the built actor's modules (a dropout layer with p > 0, a noisy
    attribute), before training starts.
 The resulting `ReuseDecision` is the one object the trainer consults; `check_reuse_invariants`
-re-checks it at run time before any old, reference or teacher pass."""
+re-checks it at run time before any old, reference or teacher pass.
+
+`adaptive` takes the exact reuse above where it applies; otherwise (several optimizer steps per
+rollout, dropout, ...) the rollout engine's sampling log-probs serve as the old policy, and each
+step a sampled fraction of the sequences is re-scored on the trainer (dsrl.actor.reuse_probe):
+a mismatch above algo.reuse_max_mismatch, or an `adaptive_blockers` option, runs the full pass."""
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, List
 
@@ -64,6 +70,9 @@ def reuse_blockers(cfg: Config) -> List[str]:
         ("algo.use_opd", a.use_opd),
         ("algo.num_steps_per_rollout", a.num_steps_per_rollout not in (None, 1)),
         ("algo.global_batch_size", a.global_batch_size != samples),
+        # Overlap: the samples come from weights one step older than the training forward's;
+        # only the rollout log-probs are that policy (the detached training log-probs are not).
+        ("algo.off_policy_steps", a.off_policy_steps != 0 and not a.use_rollout_logprobs),
         ("algo.policy_loss", not objective_reads_old_log_probs(cfg)),
         ("trainer.before_train_step_hooks", bool(t.before_train_step_hooks)),
     )
@@ -78,6 +87,9 @@ class ReuseDecision:
     # are the old policy and nothing else needs trainer-scored old log-probs, and when the
     # objective reads no old log-probs).
     run_old_pass: bool
+    # algo.reuse_logprobs=adaptive beyond one step: the rollout log-probs are the old policy,
+    # guarded each step by a probe (dsrl.actor.reuse_probe); a failed probe runs the full pass.
+    probe: bool = False
 
 
 def _on_error(cfg: Config, blockers: List[str]) -> ConfigError:
@@ -90,6 +102,7 @@ def _on_error(cfg: Config, blockers: List[str]) -> ConfigError:
         "algo.reuse_logprobs=on is incompatible with: " + ", ".join(blockers)
         + f" (reuse needs exactly one deterministic optimizer step per rollout: no dropout, "
         f"kl_coef=0, no old-actor copy, no OPD, num_steps_per_rollout in (null, 1), "
+        f"off_policy_steps=0 unless use_rollout_logprobs=true, "
         f"global_batch_size == rollout_batch_size * n_samples_per_prompt = {samples}, no hooks{notes})")
 
 
@@ -102,6 +115,50 @@ def validate_reuse(cfg: Config) -> None:
         raise _on_error(cfg, blockers)
 
 
+def adaptive_blockers(cfg: Config) -> List[str]:
+    """Options under which the rollout log-probs are not the old policy (or the trainer needs its
+    own old-policy log-probs), so `adaptive` runs the full old-policy pass every step."""
+    a, r = cfg.algo, cfg.rollout
+    checks = (
+        ("rollout.top_p", r.top_p < 1),  # log-probs over the renormalized nucleus
+        ("rollout.temperature", r.temperature == 0),  # greedy rollouts carry no log-probs
+        ("algo.use_tis", a.use_tis),  # TIS compares trainer-scored old log-probs with the rollout's
+        ("algo.off_policy_steps", a.off_policy_steps != 0),  # rollout weights are stale
+        ("algo.keep_old_actor", a.keep_old_actor),
+        ("algo.use_opd", a.use_opd),
+        ("trainer.before_train_step_hooks", bool(cfg.trainer.before_train_step_hooks)),  # may rewrite inputs
+    )
+    return [name for name, enabled in checks if enabled]
+
+
+def _adaptive_decision(cfg: Config) -> ReuseDecision:
+    """`adaptive` where exact training-log-prob reuse does not apply (several optimizer steps per
+    rollout, dropout, ...): rollout log-probs as the old policy under a per-step probe, unless an
+    adaptive blocker applies (then the full pass runs every step, named in the reason)."""
+    a = cfg.algo
+    if not objective_reads_old_log_probs(cfg):
+        return ReuseDecision(False, f"reuse_logprobs=adaptive: algo.policy_loss={a.policy_loss!r} reads no "
+                             "old-policy log-probs; no old-policy pass runs", run_old_pass=False)
+    blockers = adaptive_blockers(cfg)
+    if blockers:
+        return ReuseDecision(False, "reuse_logprobs=adaptive: full old-policy pass every step because of "
+                             + ", ".join(blockers), run_old_pass=_run_old_pass_without_reuse(cfg))
+    if a.use_rollout_logprobs:
+        return ReuseDecision(False, "reuse_logprobs=adaptive: algo.use_rollout_logprobs=true makes the rollout "
+                             "log-probs the old policy by config; no old-policy pass, no probe", run_old_pass=False)
+    from dsrl.actor.reuse_probe import max_mismatch
+
+    return ReuseDecision(False, f"reuse_logprobs=adaptive: rollout log-probs are the old policy, probed on "
+                         f"{a.reuse_probe_fraction:g} of the sequences each step (full old-policy pass when the mean "
+                         f"|dlogp| > algo.reuse_max_mismatch={max_mismatch(cfg):g})", run_old_pass=False, probe=True)
+
+
+def _adaptive_fallback(cfg: Config, exact_blockers: List[str]) -> ReuseDecision:
+    """The adaptive decision, its reason naming what rules out exact training-log-prob reuse."""
+    d = _adaptive_decision(cfg)
+    return dataclasses.replace(d, reason=d.reason + " (exact reuse ruled out by " + ", ".join(exact_blockers) + ")")
+
+
 def _run_old_pass_without_reuse(cfg: Config) -> bool:
     """Without reuse the old pass runs unless nothing reads trainer-scored old log-probs: the
     objective reads none, or the rollout log-probs are the old policy and TIS (which compares
@@ -111,10 +168,40 @@ def _run_old_pass_without_reuse(cfg: Config) -> bool:
     return not cfg.algo.use_rollout_logprobs or cfg.algo.use_tis
 
 
+def critic_note(cfg: Config) -> str:
+    """What a critic (an estimator that reads values, e.g. gae) changes for reuse, "" without one.
+    Nothing for the actor: the critic is a separate model on its own engine, so the policy's
+    training forward and old-policy pass stay equal and the usual blockers decide (gae's KL in
+    the reward, algo.kl_coef, is one of them). Its own values pass is never skipped: GAE needs
+    the values before either model trains. With one critic step per rollout the training
+    forward's V equals V_old (bit-identical on the same microbatches), so the value clip acts
+    only from a rollout's second optimizer step on (critic/value_clipfrac = 0 before)."""
+    from dsrl.loss.registry import get_advantage_estimator
+
+    try:
+        reads_values = getattr(get_advantage_estimator(cfg.algo.advantage_estimator), "needs_values", False)
+    except KeyError:  # unknown estimator: validate() names it
+        return ""
+    if not reads_values:
+        return ""
+    return (f"; the critic of algo.advantage_estimator={cfg.algo.advantage_estimator} does not change this (own "
+            f"engine); its values pass runs every step (GAE reads values before training)")
+
+
 def decide_reuse(cfg: Config) -> ReuseDecision:
+    """The decision from the dsrl config alone (no model needed), its reason saying what a
+    critic changes (critic_note)."""
+    d = _config_decision(cfg)
+    note = critic_note(cfg)
+    return dataclasses.replace(d, reason=d.reason + note) if note else d
+
+
+def _config_decision(cfg: Config) -> ReuseDecision:
     """The decision from the dsrl config alone (no model needed)."""
     mode = cfg.algo.reuse_logprobs
     blockers = reuse_blockers(cfg)
+    if mode == "adaptive" and blockers:  # exact reuse does not apply: the probe-guarded rollout reuse
+        return _adaptive_fallback(cfg, blockers)
     if mode == "off":
         return ReuseDecision(False, "reuse_logprobs=off: standalone old-policy pass runs"
                              if _run_old_pass_without_reuse(cfg) else
@@ -144,6 +231,8 @@ def _with_model_blockers(decision: ReuseDecision, cfg: Config, blockers: List[st
     if cfg.algo.reuse_logprobs == "on":
         raise ConfigError("algo.reuse_logprobs=on is incompatible with the model: "
                           + ", ".join(blockers) + f" ({why}, or use algo.reuse_logprobs=auto)")
+    if cfg.algo.reuse_logprobs == "adaptive":  # no exact reuse: fall back to the probe-guarded one
+        return _adaptive_fallback(cfg, blockers)
     return ReuseDecision(False, "reuse_logprobs=auto: standalone old-policy pass runs because of "
                          + ", ".join(blockers), run_old_pass=_run_old_pass_without_reuse(cfg))
 

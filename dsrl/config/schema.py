@@ -51,11 +51,18 @@ class ActorConfig:
     stage3_param_persistence_threshold: int = 10000
     # Torch intra-op threads in the trainer process (0 = auto: usable cores / trainer ranks on this node).
     num_threads: int = 0
+    # Shared-prompt forward: auto | on | off. Each group's prompt is forwarded once (one packed row per
+    # group, 4-D mask) instead of once per sample; auto: on where exact for the model (dsrl/actor/shared_prompt.py).
+    shared_prompt: str = "auto"
+    # Token budget of one training microbatch (rows x longest row, padding included); rows of similar
+    # length are binned together. 0 = off: micro_batch_size samples per microbatch.
+    max_tokens_per_microbatch: int = 0
 
 
 @dataclass
 class RolloutConfig:
-    # Rollout backend: vllm (worker processes).
+    # Rollout backend: vllm (worker processes) | hf (transformers sampling in the trainer's process, for
+    # machines without vLLM; shares the actor's weights under ZeRO 0-2; placement=colocated only).
     backend: str = "vllm"
     # Sampling temperature (training log-probs divide logits by the same value).
     temperature: float = 1.0
@@ -84,6 +91,27 @@ class RolloutConfig:
     # Seconds one rollout call (generate, weight push) may take before its engine counts as hung;
     # generous: a slow CPU step must never trip it.
     timeout_s: float = 600.0
+    # Where the engines run: colocated (one per trainer rank, on its machine) | ray (num_engines
+    # Ray actors in a placement group on any node of a Ray cluster, shared by all ranks).
+    placement: str = "colocated"
+    # placement=ray: how many vLLM engines (independent of the trainer's world size).
+    num_engines: int = 1
+    # placement=ray: GPUs per engine (vLLM tensor parallelism); > 1 needs CUDA.
+    tensor_parallel_size: int = 1
+    # placement=ray: CPUs reserved per engine in its placement-group bundle (its core share on CPU).
+    cpus_per_engine: int = 1
+    # placement=ray: the Ray cluster: auto (`ray start` on this machine, or RAY_ADDRESS) | host:port |
+    # local (a private single-machine cluster started and stopped by the run: tests, one box).
+    ray_address: str = "auto"
+    # Weight sync: parameters are packed into buffers of this many MiB (one engine call each;
+    # under ZeRO-3 gathered one layer group at a time). A tensor larger than this gets its own.
+    sync_bucket_mb: float = 256.0
+    # Weight sync check: after each sync the engine(s) and the trainer score a fixed probe of
+    # token sequences; rollout/sync_logprob_diff is their mean |log-prob difference|.
+    sync_probe: bool = True
+    # Largest allowed sync_logprob_diff (nats) before the run stops naming the engine; null = by
+    # the engine's dtype (dsrl.rollout.weight_sync.DEFAULT_TOLERANCE: float32 1e-3, bfloat16 0.5).
+    sync_tolerance: Optional[float] = None
 
 
 @dataclass
@@ -105,8 +133,15 @@ class AlgoConfig:
     global_batch_size: int = 64
     # Optimizer steps per rollout (None = global batches in one rollout).
     num_steps_per_rollout: Optional[int] = None
-    # Training log-prob reuse: off | on | auto (see dsrl/config/reuse.py).
+    # Training log-prob reuse: off | on | auto | adaptive (see dsrl/config/reuse.py). adaptive: exact
+    # reuse where it applies, else the rollout log-probs as the old policy, checked by a per-step probe.
     reuse_logprobs: str = "auto"
+    # adaptive: fraction of each step's sequences re-scored on the trainer (at least one; reproducible choice).
+    reuse_probe_fraction: float = 0.125
+    # adaptive: largest probe mean |logp_trainer - logp_rollout| per token that still reuses the rollout
+    # log-probs; above it the full old-policy pass runs that step. None = by rollout.dtype (float32 1e-3,
+    # bfloat16 0.1; measured kernel noise in README "Adaptive reuse", dsrl/actor/reuse_probe.py).
+    reuse_max_mismatch: Optional[float] = None
     # Use the rollout engine's sampling log-probs as the PPO old policy.
     use_rollout_logprobs: bool = False
     # KL penalty folded into rewards (needs a reference pass); only estimators that use KL in
@@ -141,14 +176,29 @@ class AlgoConfig:
     normalize_advantages: bool = False
     # Drop groups whose rewards are all equal (they carry zero advantage) from the forward.
     skip_zero_variance_groups: bool = True
+    # DAPO dynamic sampling: drop all-equal-reward groups and generate fresh prompts until each
+    # rank holds its share (rollout_batch_size / world) of informative groups (dsrl/rollout/dynamic.py).
+    dynamic_sampling: bool = False
+    # Dynamic sampling: at most this many generations per step (>= 1); when hit, the step trains
+    # on the informative groups it has (logged: rollout/sampling_rounds, rollout/kept_groups).
+    max_sampling_rounds: int = 4
+    # 0: synchronous loop. 1: the next step's rollout is generated while this step trains, with
+    # weights one step stale (needs use_rollout_logprobs or use_tis; dsrl/rollout/overlap.py).
+    off_policy_steps: int = 0
     # Keep a frozen copy of the actor as the old policy (breaks reuse).
     keep_old_actor: bool = False
     # On-policy distillation against a teacher (breaks reuse).
     use_opd: bool = False
     # OPD reverse-KL weight on advantages.
     opd_kl_coef: float = 1.0
-    # reinforce_pp discount.
+    # Discount: reinforce_pp returns and gae TD residuals.
     gamma: float = 1.0
+    # gae: the lambda of GAE (1 = Monte-Carlo returns minus the value baseline, 0 = one-step TD).
+    gae_lambda: float = 1.0
+    # gae: the critic's clipped value loss keeps v within v_old +- value_clip (PPO-style); null = unclipped.
+    value_clip: Optional[float] = 0.2
+    # gae: weight of the value loss on the critic's own engine (it scales only the critic's gradient).
+    value_loss_coef: float = 1.0
     # TIS correction: null = built-in "vanilla"; "icepop" | "mis" | a dotted path to fn(...).
     tis_function: Optional[str] = None
     # KL loss times the IS ratio exp(lp - old) (unbiased KL estimate).
@@ -167,6 +217,29 @@ class AlgoConfig:
     # MIS optional rejection-sampling bounds (mask outside; null disables).
     mis_rs_lower: Optional[float] = None
     mis_rs_upper: Optional[float] = None
+
+
+@dataclass
+class CriticConfig:
+    """The value model of algo.advantage_estimator=gae (dsrl/actor/critic.py): the policy's
+    backbone plus a scalar head, on its own DeepSpeed engine; unused by the other estimators."""
+    # HF folder of the critic's backbone (a causal LM: its LM head is dropped, a fresh scalar value head
+    # is added); null = model.path (the critic starts from the policy's weights).
+    path: Optional[str] = None
+    # DeepSpeed ZeRO stage of the critic engine, 0-3; null = actor.zero_stage.
+    zero_stage: Optional[int] = None
+    # AdamW learning rate of the critic (value heads usually train faster than the policy).
+    lr: float = 1.0e-5
+    # AdamW decoupled weight decay.
+    weight_decay: float = 0.0
+    # Global gradient-norm clip of the critic (0 disables).
+    grad_clip: float = 1.0
+    # Samples per critic microbatch (training and the values pass); null = actor.micro_batch_size.
+    micro_batch_size: Optional[int] = None
+    # Value loss from dsrl.loss.value's registry: clipped (PPO-style, algo.value_clip), or a dotted path.
+    loss: str = "clipped"
+    # Recompute activations in the critic's backward.
+    gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -220,6 +293,14 @@ class RewardConfig:
     # Seconds one sample's reward may take; a verifier that raises or takes longer gives that
     # sample reward 0, counted as reward/errors or reward/timeouts.
     timeout_s: float = 10.0
+    # Reward server (instead of reward.fn): http(s) URL each completion is POSTed to as JSON
+    # {"completion", "prompt", "messages", "answer", "meta"}; it answers a number or {"reward": n}.
+    url: Optional[str] = None
+    # Extra attempts per sample after a reward-server failure (connection, 5xx, 429, timeout),
+    # all within reward.timeout_s.
+    retries: int = 2
+    # Reward calls in flight at once per rank (a server is called concurrently).
+    concurrency: int = 16
 
 
 @dataclass
@@ -317,6 +398,8 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    # Value model for algo.advantage_estimator=gae (ignored otherwise).
+    critic: CriticConfig = field(default_factory=CriticConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -334,9 +417,12 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="dsrl_schema", node=Config)
     for group, cls in (("model", ModelConfig), ("actor", ActorConfig), ("rollout", RolloutConfig),
-                       ("algo", AlgoConfig), ("data", DataConfig), ("reward", RewardConfig), ("trainer", TrainerConfig),
+                       ("algo", AlgoConfig), ("critic", CriticConfig), ("data", DataConfig), ("reward", RewardConfig), ("trainer", TrainerConfig),
                        ("logger", LoggerConfig)):
         cs.store(group=group, name=f"{group}_schema", node=cls)
+    from dsrl.distributed.run_dir import register_resolver
+
+    register_resolver()  # ${dsrl_rank0:...} in hydra.run.dir: one run folder for all ranks
 
 
 def to_config(cfg: Any) -> Config:

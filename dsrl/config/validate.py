@@ -13,25 +13,30 @@ from dsrl.config.reuse import ConfigError, validate_reuse
 from dsrl.config.schema import Config
 
 _CHOICES = {
-    "algo.reuse_logprobs": ("off", "on", "auto"),
+    "algo.reuse_logprobs": ("off", "on", "auto", "adaptive"),
     "algo.kl_loss_type": ("k1", "k2", "k3", "low_var_kl"),
     "algo.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
                            "sum"),
     "model.dtype": ("auto", "float32", "bfloat16"),
     "rollout.dtype": ("auto", "float32", "bfloat16"),
-    "rollout.backend": ("vllm",),
+    "rollout.backend": ("vllm", "hf"),
+    "rollout.placement": ("colocated", "ray"),
     "logger.wandb_mode": ("auto", "online", "offline"),
     "trainer.resume": ("auto", "off"),
     "data.on_bad_row": ("error", "skip"),
+    "actor.shared_prompt": ("auto", "on", "off"),
 }
 # Numeric ranges: key -> (test, what the value must be). Every float must also be finite.
 _SEED_RANGE = (lambda v: 0 <= v < 2**31, ">= 0 and < 2**31")
 _RANGES = {
+    "algo.reuse_probe_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "algo.reuse_max_mismatch": (lambda v: v is None or v >= 0, ">= 0 or null (by rollout.dtype)"),
     "actor.eps": (lambda v: v > 0, "> 0"),
     "actor.weight_decay": (lambda v: v >= 0, ">= 0"),
     "actor.grad_clip": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     "actor.stage3_param_persistence_threshold": (lambda v: v >= 0, ">= 0"),
     "actor.num_threads": (lambda v: v >= 0, ">= 0 (0 = auto)"),
+    "actor.max_tokens_per_microbatch": (lambda v: v >= 0, ">= 0 (0 = count-based microbatches)"),
     "actor.betas": (lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
                     "two numbers in [0, 1)"),
     "rollout.kv_cache_gib": (lambda v: v >= 1, ">= 1"),
@@ -47,13 +52,30 @@ _RANGES = {
     "algo.kl_loss_coef": (lambda v: v >= 0, ">= 0"),
     "algo.opd_kl_coef": (lambda v: v >= 0, ">= 0"),
     "algo.gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "algo.gae_lambda": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "algo.value_clip": (lambda v: v is None or v > 0, "> 0 or null (unclipped)"),
+    "algo.value_loss_coef": (lambda v: v > 0, "> 0"),
+    "critic.zero_stage": (lambda v: v is None or v in (0, 1, 2, 3), "0, 1, 2, 3 or null (actor.zero_stage)"),
+    "critic.lr": (lambda v: v > 0, "> 0"),
+    "critic.weight_decay": (lambda v: v >= 0, ">= 0"),
+    "critic.grad_clip": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    "critic.micro_batch_size": (lambda v: v is None or v >= 1, ">= 1 or null (actor.micro_batch_size)"),
+    "algo.max_sampling_rounds": (lambda v: v >= 1, ">= 1"),
+    "algo.off_policy_steps": (lambda v: v in (0, 1), "0 (synchronous) or 1 (one-step-off-policy overlap)"),
     "logger.plot_every": (lambda v: v >= 1, ">= 1"),
     "data.num_eval": (lambda v: v >= 0, ">= 0"),
     "data.eval_fraction": (lambda v: v is None or 0 < v < 1, "in (0, 1) or null"),
     "data.max_prompt_tokens": (lambda v: v is None or v >= 1, ">= 1 or null"),
     "reward.timeout_s": (lambda v: v > 0, "> 0"),
+    "reward.retries": (lambda v: v >= 0, ">= 0"),
+    "reward.concurrency": (lambda v: v >= 1, ">= 1"),
     "rollout.max_restarts": (lambda v: v >= 0, ">= 0"),
     "rollout.timeout_s": (lambda v: v > 0, "> 0"),
+    "rollout.num_engines": (lambda v: v >= 1, ">= 1"),
+    "rollout.tensor_parallel_size": (lambda v: v >= 1, ">= 1"),
+    "rollout.cpus_per_engine": (lambda v: v >= 1, ">= 1"),
+    "rollout.sync_bucket_mb": (lambda v: v > 0, "> 0 (MiB per weight-sync bucket)"),
+    "rollout.sync_tolerance": (lambda v: v is None or v > 0, "> 0 or null (by the engine's dtype)"),
     "trainer.max_skipped_steps": (lambda v: v >= 1, ">= 1"),
     "trainer.save_every": (lambda v: v >= 0, ">= 0 (0 = only on a stop signal)"),
     "trainer.keep_checkpoints": (lambda v: v >= 0, ">= 0 (0 = keep all)"),
@@ -102,6 +124,10 @@ def validate(cfg: Config) -> None:
         _check_batch_split(cfg, world, errors)
     if a.eps_clip_c is not None and a.eps_clip_c <= 1.0:
         errors.append(f"algo.eps_clip_c={a.eps_clip_c} must be > 1 (dual-clip)")
+    if a.off_policy_steps == 1 and not (a.use_rollout_logprobs or a.use_tis):
+        errors.append("algo.off_policy_steps=1 needs algo.use_rollout_logprobs=true or algo.use_tis=true: the "
+                      "samples come from weights one step older than the trained ones, and only the rollout "
+                      "log-probs (as the old policy) or TIS correct for that")
     if a.use_tis and a.use_rollout_logprobs:
         errors.append("algo.use_tis and algo.use_rollout_logprobs are mutually exclusive "
                       "(TIS reweights trainer-vs-rollout mismatch; with rollout log-probs as the old policy there is none)")
@@ -121,7 +147,12 @@ def validate(cfg: Config) -> None:
                               "vocabulary (set rollout.top_p=1)")
     _check_numbers(cfg, errors)
     _check_lengths(cfg, errors)
+    _check_placement(cfg, errors)
+    if cfg.rollout.backend == "hf" and cfg.rollout.placement != "colocated":
+        errors.append(f"rollout.backend=hf runs in the trainer's process: it needs rollout.placement=colocated, "
+                      f"not {cfg.rollout.placement!r}")
     _check_loss_plugins(cfg, errors)
+    _check_critic(cfg, errors)
     _check_data_plugins(cfg, errors)
     try:
         validate_reuse(cfg)
@@ -220,6 +251,42 @@ def _check_loss_plugins(cfg: Config, errors: List[str]) -> None:
                 errors.append(f"{key}={v!r} is not one of {list(choices)} (algo.tis_function=mis)")
 
 
+def _check_critic(cfg: Config, errors: List[str]) -> None:
+    """An estimator that reads values (gae) trains a critic: its value loss must resolve, the RL
+    loop must drive it, and the policy objective must read the advantages it pays for. Other
+    estimators build no critic, so a changed critic.* key would be silently ignored: an error."""
+    import dataclasses
+
+    from dsrl.config.schema import CriticConfig
+    from dsrl.loss.registry import get_advantage_estimator, get_objective
+    from dsrl.loss.value import get_value_loss
+    from dsrl.registry import PluginError
+
+    a, c = cfg.algo, cfg.critic
+    try:
+        estimator = get_advantage_estimator(a.advantage_estimator)
+    except PluginError:
+        return  # named by _check_loss_plugins
+    if not getattr(estimator, "needs_values", False):
+        changed = [f"critic.{f.name}" for f in dataclasses.fields(CriticConfig)
+                   if getattr(c, f.name) != getattr(CriticConfig(), f.name)]
+        if changed:
+            errors.append(f"{', '.join(changed)} set, but algo.advantage_estimator={a.advantage_estimator!r} reads no "
+                          "values, so no critic is built (a critic needs algo.advantage_estimator=gae)")
+        return
+    where = f"algo.advantage_estimator={a.advantage_estimator}"
+    if getattr(estimator, "rl_loop_error", None):
+        errors.append(f"{where} cannot run in the RL loop yet: {estimator.rl_loop_error}")
+    _resolve(lambda name: get_value_loss(name, "critic.loss"), c.loss, errors)
+    try:
+        spec = get_objective(a.policy_loss)
+    except PluginError:
+        return
+    if "advantages" not in spec.required_inputs:
+        errors.append(f"{where} trains a critic for advantages, but algo.policy_loss={a.policy_loss} reads no "
+                      "advantages (use ppo, gspo or cispo)")
+
+
 def _check_objective(cfg: Config, spec: Any, errors: List[str]) -> None:
     a = cfg.algo
     if spec.rl_loop_error:
@@ -261,6 +328,29 @@ def _check_numbers(cfg: Config, errors: List[str]) -> None:
             errors.append(f"{key}={v} must be {what}")
 
 
+def _check_placement(cfg: Config, errors: List[str]) -> None:
+    """Ray-placed engines need Ray and an address; tensor parallelism needs CUDA engines, which
+    only Ray placement runs."""
+    import importlib.util
+
+    r = cfg.rollout
+    if r.tensor_parallel_size > 1:
+        if r.placement != "ray":
+            errors.append(f"rollout.tensor_parallel_size={r.tensor_parallel_size} > 1 needs rollout.placement=ray "
+                          f"(a colocated engine uses its rank's one device)")
+        import torch
+
+        if not torch.cuda.is_available():
+            errors.append(f"rollout.tensor_parallel_size={r.tensor_parallel_size} > 1 needs CUDA (vLLM on CPU "
+                          f"runs an engine on one device); set it to 1")
+    if r.placement != "ray":
+        return
+    if importlib.util.find_spec("ray") is None:
+        errors.append("rollout.placement=ray needs the `ray` package (pip install ray), not importable here")
+    if not str(r.ray_address).strip():
+        errors.append("rollout.ray_address is empty: auto | host:port | local")
+
+
 def _check_lengths(cfg: Config, errors: List[str]) -> None:
     """Prompt and completion fit the rollout engine's context (vLLM refuses longer prompts)."""
     r, limit = cfg.rollout, cfg.data.max_prompt_tokens
@@ -287,7 +377,13 @@ def _check_data_plugins(cfg: Config, errors: List[str]) -> None:
             errors.extend(check(d))
         except Exception as e:  # noqa: BLE001 - a user source's checker must not hide the other errors
             errors.append(f"data.name={d.name!r}: its check_config failed: {type(e).__name__}: {e}")
-    if fn is not None:
+    url = cfg.reward.url
+    if url is not None:
+        if fn is not None:
+            errors.append(f"reward.url={url!r} and reward.fn={fn!r}: set one of them (the server replaces the function)")
+        if not str(url).startswith(("http://", "https://")):
+            errors.append(f"reward.url={url!r} must start with http:// or https://")
+    elif fn is not None:
         _resolve(lambda name: get_verifier(name, "reward.fn"), fn, errors)
     elif cls is not None:
         default = getattr(cls, "default_verifier", None)

@@ -6,7 +6,8 @@ Estimator signature (registry `register_advantage`):
 
 `rewards` are raw scalar rewards (group normalisation happens here, not on the rollout side);
 `group_ids` label the prompt group of each sample (None = contiguous blocks of
-n_samples_per_prompt). Outputs are [N, L] and exactly 0 where the mask is 0.
+n_samples_per_prompt). Outputs are [N, L] and exactly 0 where the mask is 0. An estimator with
+the attribute `needs_values = True` (gae) also receives `values=` [N, L], the critic's values.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils.rnn import pad_sequence
 
-from dsrl.loss.detach import detach_fixed_scores
+from dsrl.loss.detach import detach_fixed_scores, fixed
 from dsrl.loss.kl import approx_kl
 from dsrl.loss.opd import apply_opd_kl_to_advantages
 from dsrl.loss.options import opt
@@ -125,6 +126,48 @@ def reinforce_pp_baseline(rewards, mask, group_ids, config, kl=None):
     return a, a.clone()
 
 
+@register_advantage("gae", uses_kl_in_reward=True)
+def gae(rewards, mask, group_ids, config, kl=None, *, values=None):
+    """PPO's GAE over the trainable tokens of each sample (miles' semantics): token reward
+    u_t = -kl_coef*kl_t plus the raw reward at the last trainable token; masked positions (prompt,
+    padding, environment tokens) are skipped as if absent, so TD steps join consecutive
+    *trainable* tokens and the value after the last one is 0 (also for truncated samples):
+    delta_t = u_t + gamma*V_next - V_t, A_t = delta_t + gamma*lambda*A_next, R = A + V.
+    `values` [N, L]: the critic's value at each target column (column t = the state before
+    token t+1 is generated, aligned like the log-probs). A = R = 0 on masked tokens."""
+    if values is None:
+        raise ValueError("algo.advantage_estimator=gae needs the critic's values (rollout_data['values'])")
+    m = mask > 0
+    dtype = rewards.dtype
+    if values.shape != mask.shape:
+        raise ValueError(f"gae: values have shape {tuple(values.shape)}, the loss mask {tuple(mask.shape)}")
+    v = torch.where(m, values.to(dtype).nan_to_num(0.0, 0.0, 0.0), torch.zeros((), dtype=dtype, device=mask.device))
+    u = -float(opt(config, "kl_coef")) * _kl(kl, mask, dtype)
+    has_token = m.any(-1)
+    last = (m.to(torch.long) * torch.arange(1, m.shape[1] + 1, device=m.device)).argmax(-1)
+    rows = torch.nonzero(has_token).squeeze(-1)
+    u = u.clone()
+    u[rows, last[rows]] += rewards[rows]  # a sample without a trainable token gets nothing
+    gamma, lam = float(opt(config, "gamma")), float(opt(config, "gae_lambda"))
+    adv = torch.zeros_like(u)
+    next_v = torch.zeros_like(u[:, 0])  # V after the last trainable token: 0
+    next_a = torch.zeros_like(u[:, 0])
+    for t in range(u.shape[1] - 1, -1, -1):
+        here = m[:, t]
+        a_t = u[:, t] + gamma * next_v - v[:, t] + gamma * lam * next_a
+        adv[:, t] = torch.where(here, a_t, torch.zeros_like(a_t))
+        next_v = torch.where(here, v[:, t], next_v)  # masked positions carry the next state through
+        next_a = torch.where(here, a_t, next_a)
+    ret = torch.where(m, adv + v, torch.zeros_like(adv))
+    return adv, ret
+
+
+gae.needs_values = True  # compute_advantages passes rollout_data["values"]
+# Validation refuses gae in the RL loop while Trainer.train_on runs no critic (values pass, critic
+# step: dsrl/actor/critic.py); delete this attribute when it does.
+gae.rl_loop_error = "Trainer.train_on does not run the critic yet (dsrl/actor/critic.py: values pass, train_step)"
+
+
 def whiten_advantages(adv: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
     """Masked whitening with global statistics: all-reduce [Σm·a, Σm·a², Σm] over `group` when
     torch.distributed is initialised, then (a − μ)·rsqrt(σ² + 1e-8), σ² unbiased (N/(N−1)) for
@@ -135,7 +178,9 @@ def whiten_advantages(adv: torch.Tensor, mask: torch.Tensor, group=None) -> torc
     mf = m.to(torch.float64)
     stats = torch.stack([(a * mf).sum(), (a * a * mf).sum(), mf.sum()])
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats, group=group)
+        from dsrl.distributed.collectives import all_reduce_
+
+        all_reduce_(stats, group=group)  # host tensor: NCCL-safe
     s1, s2, n = stats.tolist()
     if n == 0:
         raise ValueError("whiten_advantages: the global loss-mask sum is 0 (no trainable token)")
@@ -159,7 +204,7 @@ def compute_advantages(rollout_data: MutableMapping[str, Any], config: Any) -> M
 
     Reads: rewards [N]; loss_mask [N, L] (or a list of per-sample 1-D masks, then every per-token
     input is a list too and outputs are lists); optional group_ids [N]; old_log_probs /
-    rollout_log_probs / ref_log_probs / teacher_log_probs / opd_reverse_kl.
+    rollout_log_probs / ref_log_probs / teacher_log_probs / opd_reverse_kl; values (gae's critic).
     Order: persistent detach boundary -> KL-in-reward -> estimator -> OPD -> whitening.
     """
     detach_fixed_scores(rollout_data)  # first, before anything reads a score
@@ -187,7 +232,15 @@ def compute_advantages(rollout_data: MutableMapping[str, Any], config: Any) -> M
         kl = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
 
     name = opt(config, "advantage_estimator")
-    adv, ret = get_advantage_estimator(name)(rewards, mask, rollout_data.get("group_ids"), config, kl)
+    estimator = get_advantage_estimator(name)
+    extra = {}
+    if getattr(estimator, "needs_values", False):  # gae: the critic's values, a fixed input like the scores
+        values = fixed(rollout_data.get("values"))
+        if values is None:
+            raise ValueError(f"algo.advantage_estimator={name} needs rollout_data['values'] from the critic")
+        rollout_data["values"] = values
+        extra["values"] = _pad(values).to(mask.device)
+    adv, ret = estimator(rewards, mask, rollout_data.get("group_ids"), config, kl, **extra)
 
     if opt(config, "use_opd"):
         if src is None:

@@ -46,6 +46,16 @@ def verifier_for_source(source: Any, override: Optional[str] = None) -> Verifier
     return get_verifier(name, f"{type(source).__name__}.default_verifier")
 
 
+def build_verifier(reward_cfg: Any, source: Any) -> Verifier:
+    """The run's verifier: the reward server at `reward.url`, else `reward.fn`, else the
+    source's default."""
+    if getattr(reward_cfg, "url", None):
+        from dsrl.reward.http import RemoteReward
+
+        return RemoteReward(reward_cfg.url, timeout_s=reward_cfg.timeout_s, retries=reward_cfg.retries)
+    return verifier_for_source(source, reward_cfg.fn)
+
+
 def score(fn: Verifier, completions: Sequence[str], prompts: Sequence[Any]) -> list[float]:
     """Score completions against their prompts (same length, aligned)."""
     if len(completions) != len(prompts):

@@ -3,7 +3,8 @@ failed rewards (dsrl.rollout.rewards)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from dsrl.distributed.collectives import all_reduce_
 
 
 def fault_metrics(*sources) -> dict:
@@ -18,7 +19,5 @@ def fault_metrics(*sources) -> dict:
     names = sorted(local)
     if not names:
         return {}
-    t = torch.tensor([local[n] for n in names], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+    t = all_reduce_(torch.tensor([local[n] for n in names], dtype=torch.float64))
     return dict(zip(names, t.tolist()))

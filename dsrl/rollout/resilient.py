@@ -6,7 +6,8 @@ runs in a daemon thread and the caller waits with a deadline (`rollout.timeout_s
 engine's processes every `poll_s`: a dead engine is noticed within a poll, a hung one at the
 deadline (vLLM's synchronous client itself would wait forever). Then the engine's processes are
 killed, the worker is rebuilt with the same arguments, the last pushed weights are loaded back
-(the trainer's current weights: the push file of dsrl.rollout.vllm_worker) and the call is
+(the trainer's current weights: the shared-memory segments this wrapper staged them in,
+dsrl.rollout.shm_transport) and the call is
 retried; after `max_restarts` failed attempts of one call, a `RolloutEngineError` names the
 engine and the cause. Any other error of the call (a bad request, say) is raised unchanged.
 Restarts are counted for the step metrics (`rollout/restarts`, see `pop_metrics`)."""
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 log = logging.getLogger("dsrl")
 
@@ -50,20 +51,65 @@ class ResilientWorker:
         self.restarts = 0  # since the last pop_metrics()
         self.total_restarts = 0
         self._pushed = False  # a push happened: a rebuilt engine must get the pushed weights back
+        self._staging = None  # shared-memory segments of the last push (dsrl.rollout.shm_transport)
 
     # ------------------------------------------------------------------ the worker's interface
     def generate(self, *args, **kwargs):
         return self._call("generate", *args, **kwargs)
 
-    def push_weights(self, state: dict, step: int) -> float:
-        seconds = self._call("push_weights", state, step)
+    def push_weights(self, weights, step: int) -> float:
+        """Weights (a state dict or Buckets, dsrl.rollout.buckets) into the engine. A worker that
+        loads from shared memory (`shared_memory_sync`) gets them staged here first, in segments
+        this wrapper owns: they outlive a rebuilt engine, which loads them back (no disk write),
+        and a retried load reads the same bytes. Other workers get the call as is."""
+        if self._shm_worker():
+            from dsrl.rollout.buckets import pack_buckets
+            from dsrl.rollout.vllm_worker import DEFAULT_BUCKET_BYTES
+
+            staging = self._shm_staging()
+            if isinstance(weights, Mapping):
+                weights = pack_buckets(weights.items(), DEFAULT_BUCKET_BYTES, alloc=staging.alloc)
+            refs = staging.stage(weights)
+            seconds = self._call("load_shared_weights", refs)
+        else:
+            seconds = self._call("push_weights", weights, step)
         self._pushed = True
         return seconds
 
+    def bucket_allocator(self):
+        """Where the weight sync packs buckets: this wrapper's shared-memory segments (no copy
+        when staging), or None when the engine does not load from shared memory."""
+        return self._shm_staging().alloc if self._shm_worker() else None
+
+    def probe_logprobs(self, token_id_lists):
+        return self._call("probe_logprobs", token_id_lists)
+
+    def sleep(self, level: int = 1) -> None:
+        """The engine frees its memory for the train phase (dsrl.rollout.memory)."""
+        self._call("sleep", level)
+
+    def wake_up(self, tags=None) -> None:
+        self._call("wake_up", tags)
+
     def close(self) -> None:
         worker, self.worker = self.worker, None
-        if worker is not None:
-            worker.close()
+        staging, self._staging = self._staging, None
+        try:
+            if worker is not None:
+                worker.close()
+        finally:
+            if staging is not None:
+                staging.close()
+
+    def _shm_worker(self) -> bool:
+        return bool(getattr(self.worker, "shared_memory_sync", False))
+
+    def _shm_staging(self):
+        if self._staging is None:
+            from dsrl.rollout.shm_transport import ShmStaging
+
+            self._staging = ShmStaging()
+        return self._staging
 
     def pop_metrics(self) -> dict:
         """Restarts since the last call (this rank); the trainer sums them over ranks."""
@@ -104,7 +150,9 @@ class ResilientWorker:
             raise _EngineFailed(f"restart failed: {type(e).__name__}: {e}") from e
         self.restarts += 1
         self.total_restarts += 1
-        if self._pushed:
+        if self._pushed and self._staging is not None and self._staging.refs:
+            self._attempt(self.worker.load_shared_weights, self._staging.refs)
+        elif self._pushed:
             self._attempt(self.worker.reload_pushed_weights)
         log.warning("%s: restarted in %.1f s", self.name, time.perf_counter() - t0)
 

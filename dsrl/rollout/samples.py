@@ -4,6 +4,8 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Sequence
 
 from dsrl.actor.batch import Sample, collate
+from dsrl.actor.packing import plan_microbatches
+from dsrl.actor.shared_prompt import collate_shared_prompt
 from dsrl.rollout.rewards import RewardGuard
 
 
@@ -14,29 +16,40 @@ def generate_samples(worker, prompt_ids: Sequence[Sequence[int]], prompts: Seque
     the verifier (a dsrl.rollout.rewards.RewardGuard is told which sample it scores)."""
     groups = worker.generate(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                              show_progress=show_progress, seeds=seeds)
-    samples = []
+    samples, calls = [], []
     for g, (pids, prompt, comps) in enumerate(zip(prompt_ids, prompts, groups)):
         for c in comps:
             if len(c.logprobs) != len(c.token_ids):
                 raise RuntimeError(f"vLLM returned {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens")
             index = index_offset + len(samples)
-            if isinstance(verifier, RewardGuard):
-                reward = verifier.score(c.text, prompt, where=f"prompt {g} (sample {index})")
-            else:
-                reward = float(verifier(c.text, prompt))
+            calls.append((c.text, prompt, f"prompt {g} (sample {index})"))
             samples.append(Sample(prompt_ids=list(pids), response_ids=c.token_ids, rollout_log_probs=c.logprobs,
-                                  group=g, index=index, reward=reward, finish_reason=c.finish_reason, text=c.text))
+                                  group=g, index=index, finish_reason=c.finish_reason, text=c.text))
+    # All of the step's rewards at once: a RewardGuard keeps reward.concurrency calls in flight.
+    if isinstance(verifier, RewardGuard):
+        rewards = verifier.score_many(calls)
+    else:
+        rewards = [float(verifier(text, prompt)) for text, prompt, _ in calls]
+    for s, r in zip(samples, rewards):
+        s.reward = r
     return samples
 
 
 def pack_microbatches(samples: Sequence[Sample], micro_batch_size: int, pad_id: int,
-                      token_fields: dict | None = None) -> List[dict]:
-    """Consecutive chunks of `micro_batch_size` samples (a group's samples stay adjacent).
+                      token_fields: dict | None = None, *, max_tokens: int = 0,
+                      shared_prompt: bool = False) -> List[dict]:
+    """Training/scoring microbatches of `samples` (plan: dsrl.actor.packing.plan_microbatches).
 
+    max_tokens = 0: consecutive chunks of `micro_batch_size` samples (a group's samples stay
+    adjacent); > 0: token-budget bins of rows of similar length. shared_prompt: each run of
+    samples sharing a prompt is one packed row (dsrl.actor.shared_prompt), per-token fields are
+    response-aligned; otherwise the dense right-padded layout (dsrl.actor.batch.collate).
     token_fields: name -> list aligned with `samples` of per-response-token tensors."""
+    plan = plan_microbatches(samples, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
+                             shared_prompt=shared_prompt)
+    build = collate_shared_prompt if shared_prompt else collate
     out = []
-    for i in range(0, len(samples), micro_batch_size):
-        chunk = samples[i: i + micro_batch_size]
-        fields = {k: v[i: i + micro_batch_size] for k, v in (token_fields or {}).items()}
-        out.append(collate(chunk, pad_id, fields))
+    for idx in plan:
+        fields = {k: [v[i] for i in idx] for k, v in (token_fields or {}).items()}
+        out.append(build([samples[i] for i in idx], pad_id, fields))
     return out

@@ -14,12 +14,15 @@ _STRIDE = 1 << 16
 _MAX = (1 << 62) // _STRIDE
 
 
-def request_seed(seed: int, step: int, prompt_index: int) -> int:
-    """A 62-bit seed for one prompt's request, unique per (seed, step, prompt_index)."""
-    digest = hashlib.blake2b(f"{seed}:{step}:{prompt_index}".encode(), digest_size=8).digest()
+def request_seed(seed: int, step: int, prompt_index: int, sampling_round: int = 0) -> int:
+    """A 62-bit seed for one prompt's request, unique per (seed, step, round, prompt_index).
+    Round 0 is a step's first generation (the key has no round field: seeds of runs without
+    dynamic sampling are unchanged); rounds >= 1 are dynamic sampling's extra generations."""
+    key = f"{seed}:{step}:{prompt_index}" if sampling_round == 0 else f"{seed}:{step}:r{sampling_round}:{prompt_index}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "little") % _MAX) * _STRIDE
 
 
-def request_seeds(seed: int, step: int, first_prompt: int, count: int) -> List[int]:
+def request_seeds(seed: int, step: int, first_prompt: int, count: int, sampling_round: int = 0) -> List[int]:
     """Seeds of `count` consecutive prompts starting at global index `first_prompt`."""
-    return [request_seed(seed, step, first_prompt + i) for i in range(count)]
+    return [request_seed(seed, step, first_prompt + i, sampling_round) for i in range(count)]

@@ -2,10 +2,13 @@
 so its thread pinning never touches the trainer. One worker per trainer rank; each generates
 its rank's share of the prompts.
 
-Weight push: the trainer writes its full weights to one safetensors file and the engine reloads
-them in place (`reload_weights`; plain `load_weights` fails on CPU because weights are repacked).
-One file per push, not one RPC per parameter; the file stays, so a rebuilt engine gets the last
-pushed weights back with `reload_pushed_weights` (dsrl.rollout.resilient).
+Weight push (dsrl.rollout.weight_sync): the trainer's weights arrive as buckets (dsrl.rollout.buckets).
+On CPU they are staged in shared memory (dsrl.rollout.shm_transport) and loaded with one RPC per
+bucket (`load_shared_weights`, dsrl.rollout.engine_load); the staged files stay until the next
+sync, so a rebuilt engine gets the last pushed weights back (`reload_pushed_weights`,
+dsrl.rollout.resilient). On CUDA a colocated engine gets them through CUDA IPC handles
+(dsrl.rollout.cuda_ipc; not yet run on a GPU). `probe_logprobs` scores fixed token sequences
+so the trainer can check the sync (`rollout/sync_logprob_diff`).
 
 Process hygiene: the worker records its engine's processes (psutil handles) when it starts, so
 `engine_alive` can tell a dead engine from a slow one, and `kill` / `close` leave none behind."""
@@ -15,7 +18,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 import torch
 
@@ -32,24 +35,13 @@ class Completion:
 
 
 def reload_and_retie(worker, weights_path: str) -> int:
-    """Runs inside each vLLM worker (sent through collective_rpc). `reload_weights` reloads the
-    input embedding but skips a tied `lm_head` (the checkpoint has no such tensor), and on CPU
-    the head computes logits from a copy prepacked at load time; so copy the new embedding into
-    the head and re-run its post-load processing (which repacks it). Returns 1 if re-tied."""
+    """Runs inside each vLLM worker (sent through collective_rpc): reload the whole model from a
+    safetensors folder (`reload_weights` skips a tied `lm_head`, so re-tie it). The file-based push
+    that the shared-memory sync replaced; bench/bench_sync.py measures against it."""
+    from dsrl.rollout.engine_load import retie_head
+
     worker.reload_weights(weights_path=weights_path)
-    model = worker.model_runner.get_model()
-    head = getattr(model, "lm_head", None)
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    if head is None or not tied:
-        return 0
-    emb = model.model.embed_tokens.weight
-    with torch.no_grad():
-        if head.weight is not emb:
-            head.weight.data.copy_(emb.data)
-        method = getattr(head, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(head)
-    return 1
+    return retie_head(worker.model_runner.get_model())
 
 
 def _cpu_env(kv_cache_gib: int, local_rank: int, local_world: int) -> dict:
@@ -58,8 +50,46 @@ def _cpu_env(kv_cache_gib: int, local_rank: int, local_world: int) -> dict:
         "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
         "VLLM_CPU_OMP_THREADS_BIND": cpu_core_range(os.cpu_count() or 1, local_rank, local_world),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        # An engine inside a Ray actor (dsrl.rollout.ray_engines) has that process to itself: run it
+        # in-process there (starts ~10x faster, one process per engine, dies with its actor).
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if os.environ.get("DSRL_ENGINE_IN_PROCESS") == "1" else "1",
     }
+
+
+def cpu_llm_kwargs() -> dict:
+    """LLM(...) arguments of a CPU engine (on top of the common ones): chunked prefill stays off
+    (per-request seeds, see VLLMWorker.__init__)."""
+    return {"enable_chunked_prefill": False}
+
+
+DEFAULT_BUCKET_BYTES = 256 << 20  # push_weights(state dict): bucket size (the trainer sets rollout.sync_bucket_mb)
+
+def cuda_engine_kwargs(local_rank: int, colocated: bool) -> dict:
+    """LLM(...) arguments of a CUDA engine colocated with trainer rank `local_rank`: its GPU
+    (`device_ids=[local_rank]`, an index into CUDA_VISIBLE_DEVICES, which the deepspeed
+    launcher gives every rank in full; without it every rank's engine lands on visible GPU 0,
+    gpu-path.md §3) and sleep mode (its memory is freed during the train phase). Chosen over
+    rewriting CUDA_VISIBLE_DEVICES before the engine starts: that changes this process's
+    environment for every later child (a restarted engine included) after CUDA is initialised,
+    while device_ids is vLLM's own switch for its uni/mp executors. Its limits: no effect under
+    vLLM's Ray executor (Ray placement picks GPUs itself) and one device per engine (a colocated
+    engine is TP 1; validation rejects more). Empty on CPU and for engines on GPUs of their own."""
+    if not torch.cuda.is_available() or not colocated:
+        return {}
+    return {"device_ids": [int(local_rank)], "enable_sleep_mode": True}
+
+
+_said_no_sleep = []
+
+
+def _note_no_sleep_mode() -> None:
+    """Say once per process that sleep() does nothing here."""
+    if not _said_no_sleep:
+        _said_no_sleep.append(True)
+        import logging
+
+        logging.getLogger("dsrl").info("vLLM sleep mode is off (CPU engine, or an engine on GPUs of its own): "
+                                       "the engine keeps its memory during training")
 
 
 # collective_rpc may carry a function (reload_and_retie) only with this set.
@@ -77,24 +107,27 @@ def _generation_bar(iterable=None, **kwargs):
 class VLLMWorker:
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
                  kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
-                 local_rank: int = 0, local_world: int = 1, weights_dir: Optional[str] = None):
+                 local_rank: int = 0, local_world: int = 1, weights_dir: Optional[str] = None,
+                 colocated: bool = False):
         from vllm import LLM
 
         # Read once by the spawned engine process; set before it starts.
         os.environ.update(_RPC_ENV)
         if not torch.cuda.is_available():
             os.environ.update(_cpu_env(kv_cache_gib, local_rank, local_world))
-        self.weights_dir = weights_dir
+        self.weights_dir = weights_dir  # unused: weights arrive through shared memory (kept for callers)
         # Per-request seeds (dsrl.rollout.seeds) on CPU: a prefill split across engine steps discards
         # the sampled token and rewinds the request's generator with set_offset, which CPU torch
         # generators do not support ("CPU Generator does not use offset"). Without chunked prefill a
         # prompt that does not fit the step's token budget waits for the next step instead.
-        cpu_only = {} if torch.cuda.is_available() else {"enable_chunked_prefill": False}
+        cpu_only = {} if torch.cuda.is_available() else cpu_llm_kwargs()
+        cuda_only = cuda_engine_kwargs(local_rank, colocated)  # this rank's GPU, sleep mode
         t0 = time.time()
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
                        logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                       disable_log_stats=True, use_tqdm_on_load=False, **cpu_only)
+                       disable_log_stats=True, use_tqdm_on_load=False, **cpu_only, **cuda_only)
+        self.sleep_mode = bool(cuda_only.get("enable_sleep_mode"))
         self.start_seconds = time.time() - t0
         self._procs = engine_processes(self.llm)
 
@@ -126,29 +159,95 @@ class VLLMWorker:
             result.append(group)
         return result
 
-    def push_weights(self, state: dict, step: int) -> float:
-        """Reload the engine's weights from the trainer's full state dict; returns seconds."""
-        from safetensors.torch import save_file
+    # ------------------------------------------------------------------ weights
+    # Own staging of a worker used without a ResilientWorker (e.g. inside a Ray actor or the bench).
+    _staging = None
 
-        t0 = time.time()
-        os.makedirs(self.weights_dir, exist_ok=True)
-        path = os.path.join(self.weights_dir, "model.safetensors")
-        tmp = path + ".tmp"
-        save_file(state, tmp, metadata={"format": "pt", "step": str(step)})
-        os.replace(tmp, path)
-        self.llm.collective_rpc(reload_and_retie, args=(self.weights_dir,))
-        # Cached prefix KV was computed with the old weights: drop it.
+    @property
+    def shared_memory_sync(self) -> bool:
+        """Weights arrive through shared-memory files (CPU engine); on CUDA through IPC handles."""
+        return not torch.cuda.is_available()
+
+    def push_weights(self, weights, step: int) -> float:
+        """New weights into the engine: a state dict ({HF name: tensor}) or an iterable of Buckets
+        (dsrl.rollout.buckets). CPU: staged in this worker's shared memory, then
+        `load_shared_weights`; CUDA: IPC handles (dsrl.rollout.cuda_ipc). Returns seconds."""
+        from dsrl.rollout.buckets import pack_buckets
+
+        t0 = time.perf_counter()
+        if not self.shared_memory_sync:
+            from dsrl.rollout.cuda_ipc import gpu_alloc, push_ipc_buckets
+
+            if isinstance(weights, Mapping):
+                weights = pack_buckets(weights.items(), DEFAULT_BUCKET_BYTES, alloc=gpu_alloc())
+            push_ipc_buckets(self.llm, weights)
+            self.llm.reset_prefix_cache()
+            return time.perf_counter() - t0
+        if isinstance(weights, Mapping):
+            weights = pack_buckets(weights.items(), DEFAULT_BUCKET_BYTES, alloc=self._own_staging().alloc)
+        refs = self._own_staging().stage(weights)
+        self.load_shared_weights(refs)
+        return time.perf_counter() - t0
+
+    def load_shared_weights(self, refs) -> float:
+        """Load staged buckets (dsrl.rollout.shm_transport.ShmBucketRef, in packing order): one
+        RPC per bucket, all in one layerwise-reload session (dsrl.rollout.engine_load); then the
+        prefix cache, computed with the old weights, is dropped. Returns seconds."""
+        from dsrl.rollout.engine_load import load_shm_bucket
+
+        t0 = time.perf_counter()
+        refs = list(refs)
+        for i, ref in enumerate(refs):
+            self.llm.collective_rpc(load_shm_bucket, args=(ref.path, ref.rows, i == 0, i == len(refs) - 1))
         self.llm.reset_prefix_cache()
-        return time.time() - t0
+        return time.perf_counter() - t0
 
     def reload_pushed_weights(self) -> bool:
-        """Load the last pushed weights file into the engine (a rebuilt engine starts from the
-        model folder's weights); False when nothing was pushed yet."""
-        if self.weights_dir is None or not os.path.isfile(os.path.join(self.weights_dir, "model.safetensors")):
+        """Load this worker's last staged weights again; False when nothing was pushed through it."""
+        if self._staging is None or not self._staging.refs:
             return False
-        self.llm.collective_rpc(reload_and_retie, args=(self.weights_dir,))
-        self.llm.reset_prefix_cache()
+        self.load_shared_weights(self._staging.refs)
         return True
+
+    def probe_logprobs(self, token_id_lists: Sequence[Sequence[int]]) -> List[List[float]]:
+        """Prompt log-probs of fixed token sequences: for each sequence, the log-prob of token i
+        given tokens < i (i >= 1; raw log_softmax of the logits, no temperature), from a greedy
+        one-token request with `prompt_logprobs=0`. The weight sync's check (dsrl.rollout.weight_sync)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in token_id_lists], params, use_tqdm=False)
+        result = []
+        for ids, out in zip(token_id_lists, outs):
+            steps = out.prompt_logprobs or []
+            result.append([float(steps[i][int(tok)].logprob) for i, tok in enumerate(ids) if i >= 1])
+        return result
+
+    def _own_staging(self):
+        from dsrl.rollout.shm_transport import ShmStaging
+
+        if self._staging is None:
+            self._staging = ShmStaging()
+        return self._staging
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's GPU memory for the train phase (vLLM sleep mode; level 1 keeps the
+        weights in host memory, level 2 drops them: only when every push rewrites all weights,
+        gpu-path.md P2). Nothing may be in flight (P4): the trainer calls it between phases. A
+        no-op without sleep mode (CPU engines, engines on GPUs of their own)."""
+        if not self.sleep_mode:
+            _note_no_sleep_mode()
+            return
+        self.llm.sleep(level=int(level))
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Give back the memory `sleep` freed: `["weights"]` before a weight load (loading into a
+        sleeping engine writes to unmapped memory, P1), `["kv_cache"]` once the new weights are
+        in (waking both at once while new weights are staged can run out of memory, P3). The
+        engine schedules again once everything is awake. A no-op without sleep mode."""
+        if not self.sleep_mode:
+            return
+        self.llm.wake_up(None if tags is None else list(tags))
 
     def engine_alive(self) -> bool:
         """Every process the engine started at construction still runs (a zombie counts as dead)."""
@@ -171,6 +270,9 @@ class VLLMWorker:
     def close(self) -> None:
         """Shut the engine down (vLLM's own shutdown), then make sure none of its processes
         survives: whatever still runs after a grace period is killed."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.close()
         llm = getattr(self, "llm", None)
         self.llm = None
         procs = _with_descendants(getattr(self, "_procs", []))

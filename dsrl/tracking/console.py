@@ -249,8 +249,12 @@ def setup_console(run_dir: "str | os.PathLike[str]", verbose: bool = False, *, r
         root.removeHandler(h)
         h.close()
         old = getattr(h, "baseFilename", None)  # Hydra's <job>.log would stay empty: run.log replaces it
-        if old and Path(old) != paths["run_log"] and os.path.isfile(old) and os.path.getsize(old) == 0:
-            os.remove(old)
+        if old and Path(old) != paths["run_log"]:
+            # Only an empty regular file (a handler may write to /dev/null or another device); the
+            # ranks of a launch share the folder: one of them removes it.
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.isfile(old) and os.path.getsize(old) == 0:
+                    os.remove(old)
     console = ConsoleHandler(stream)
     console.setFormatter(ConsoleFormatter())
     console.addFilter(ConsoleFilter(verbose))

@@ -393,6 +393,9 @@ class _Engine:
     def state_dict_for_export(self):
         return {}
 
+    def export_named_tensors(self, **kwargs):
+        return iter(())
+
 
 class _AnswerWorker:
     """Odd samples of each group answer the prompt's reference answer; the rest say nothing.
@@ -439,6 +442,7 @@ def test_user_jsonl_through_the_trainer_loop(tmp_path, tiny_tokenizer, dataset):
                                    eval_fraction=0.2, num_eval=100, **keys)
     cfg.reward = dataclasses.replace(cfg.reward, fn="gsm8k")
     cfg.logger = dataclasses.replace(cfg.logger, tensorboard=False, plot=False, progress=False)
+    cfg.rollout = dataclasses.replace(cfg.rollout, sync_probe=False)  # fake worker: no engine to probe
     cfg.trainer = dataclasses.replace(cfg.trainer, eval_before=False, eval_after=False, save_final=False)
     validate(cfg)
     source = build_source(cfg.data)

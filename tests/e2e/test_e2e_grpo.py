@@ -60,6 +60,8 @@ def test_single_process_run_writes_everything(tmp_path, tiny_model_path):
     for r in rows:
         for k in REQUIRED_KEYS:
             assert k in r, (k, r)
+        # The sync's own probe: the engine serves the trainer's weights after every sync.
+        assert r["rollout/sync_logprob_diff"] < 1e-4 and r["rollout/sync_buckets"] >= 1, r
         assert r["timing/old_logprobs"] == 0.0  # reuse skipped the standalone pass
         assert r["train/ppo_kl"] == 0.0 and r["train/pg_clipfrac"] == 0.0
         # Weight push verified: the trainer and vLLM agree on the log-probs of the new samples.
@@ -94,6 +96,7 @@ def test_two_ranks_deepspeed_launcher(tmp_path, tiny_model_path, zero_stage):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["rollout/logprob_diff"] < 1e-3  # ZeRO-3 gathered full weights reached both workers
+        assert r["rollout/sync_logprob_diff"] < 1e-4  # every rank's engine passed the probe after each sync
         assert r["timing/old_logprobs"] == 0.0
     assert "ranks: 2" in out
     assert (run_dir / "final_model" / "model.safetensors").exists()

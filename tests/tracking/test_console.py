@@ -157,6 +157,16 @@ def test_setup_is_idempotent_and_replaces_hydra_handlers(tmp_path, fresh_logging
     assert out.getvalue().count("once") == 1
 
 
+def test_only_empty_regular_log_files_are_removed(tmp_path, fresh_logging):
+    """A handler writing to a device (/dev/null, here a FIFO standing in for one: size 0, not a
+    regular file) keeps its target: removing it once deleted this machine's /dev/null."""
+    fifo = tmp_path / "device-like"
+    os.mkfifo(fifo)
+    logging.getLogger().addHandler(logging.FileHandler(fifo, delay=True))  # delay: never opened
+    _setup(tmp_path)
+    assert fifo.exists() and not fifo.is_file()
+
+
 def test_other_ranks_write_their_own_files(tmp_path, fresh_logging, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     _, paths = _setup(tmp_path)

@@ -64,7 +64,8 @@ def make_cfg(model_path, *, groups: int = 3, group_size: int = 3, micro_batch_si
                                     micro_batch_size=micro_batch_size,
                                     forward_micro_batch_size=micro_batch_size,
                                     stage3_param_persistence_threshold=0)
-    cfg.rollout = dataclasses.replace(cfg.rollout, max_new_tokens=MAX_NEW_TOKENS)
+    cfg.rollout = dataclasses.replace(cfg.rollout, max_new_tokens=MAX_NEW_TOKENS,
+                                      sync_probe=False)  # the fake worker has no engine to probe
     cfg.logger = dataclasses.replace(cfg.logger, tensorboard=False, plot=False, progress=False)
     cfg.trainer = dataclasses.replace(cfg.trainer, eval_before=False, eval_after=False, save_final=False)
     validate(cfg)
@@ -137,8 +138,10 @@ class FakeWorker:
                            for s in mine])
         return groups
 
-    def push_weights(self, state, step):
-        self.pushed.append((step, {k: v.clone() for k, v in state.items()}))
+    def push_weights(self, buckets, step):
+        from dsrl.rollout.buckets import unpack
+
+        self.pushed.append((step, {k: v.clone() for b in buckets for k, v in unpack(b)}))
         return 0.0
 
 

@@ -65,6 +65,9 @@ class FakeEngine:
     def state_dict_for_export(self):
         return {}
 
+    def export_named_tensors(self, **kwargs):
+        return iter(())
+
 
 def _cfg(**algo):
     cfg = Config()
@@ -72,6 +75,7 @@ def _cfg(**algo):
     cfg.algo = dataclasses.replace(cfg.algo, **algo)
     cfg.logger = dataclasses.replace(cfg.logger, tensorboard=False, plot=False, progress=False)
     cfg.trainer = dataclasses.replace(cfg.trainer, eval_before=False, eval_after=False, save_final=False)
+    cfg.rollout = dataclasses.replace(cfg.rollout, sync_probe=False)  # fake worker: no engine to probe
     return cfg
 
 

@@ -1,0 +1,236 @@
+"""Whole-step time of the default job (SmolLM2, 8 prompts x 8 samples, 16 new tokens, the machine's
+auto dtype) with every speed-up on against the same job with all of them off, interleaved in one
+process, then dsrl's step against TRL's GRPOTrainer doing the same work.
+
+One trainer, one actor, two rollout engines: each step runs in one mode, the modes alternating
+ABBA; the engine not used by a step gets the new weights after it, untimed. Speed-ups:
+- actor.shared_prompt=auto (each group's prompt forwarded once) vs off;
+- actor.max_tokens_per_microbatch=<budget> (token-budget microbatches) vs 0 (8 samples each);
+- algo.reuse_logprobs=auto (no standalone old-policy pass) vs off;
+- algo.skip_zero_variance_groups=true (all-equal-reward groups skip the forward) vs false;
+- the vLLM-CPU engine defaults of dsrl.rollout.vllm_worker vs the settings used before issue 9
+  (bench/bench_rollout.py OLD_ENV / OLD_KWARGS).
+TRL runs in its own virtual environment (bench.trl_python, default /work/trl-venv/bin/python:
+`python -m venv /work/trl-venv && /work/trl-venv/bin/pip install torch==2.13.0 trl==1.16.0
+transformers==5.19.0 datasets`), after dsrl's engines are closed; absent: "TRL not installed: skipped".
+
+    make bench-step [ARGS="bench.steps=6 bench.trl_steps=4 bench.budget=2048 model.dtype=float32 rollout.dtype=float32"]
+    make bench-step ARGS="bench.adaptive=4"   # 4 optimizer steps per rollout: reuse_logprobs=adaptive vs off
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..")
+sys.path.insert(0, HERE)
+DEFAULTS = ["+exp=grpo_reuse", "trainer.eval_before=false", "trainer.eval_after=false", "trainer.save_final=false",
+            "trainer.save_every=0", "logger.progress=false", "logger.plot=false", "logger.tensorboard=false",
+            "trainer.total_steps=1000000"]
+PHASES = ("rollout", "old_logprobs", "train", "weight_sync")
+
+
+@contextlib.contextmanager
+def old_rollout_settings():
+    """Build a vLLM worker with the engine settings dsrl used before issue 9."""
+    import bench_rollout
+    from dsrl.rollout import vllm_worker
+
+    saved = vllm_worker._cpu_env, vllm_worker.cpu_llm_kwargs
+
+    def old_env(kv_cache_gib, local_rank, local_world):
+        last = (os.cpu_count() or 1) - 1
+        return {k: v.format(last=last) for k, v in bench_rollout.OLD_ENV.items()}
+
+    def old_kwargs():
+        return {"enable_chunked_prefill": bench_rollout.OLD_KWARGS["enable_chunked_prefill"]}
+    vllm_worker._cpu_env, vllm_worker.cpu_llm_kwargs = old_env, old_kwargs
+    try:
+        yield
+    finally:
+        vllm_worker._cpu_env, vllm_worker.cpu_llm_kwargs = saved
+
+
+@dataclasses.dataclass
+class Mode:
+    name: str
+    cfg: object
+    decision: object
+    skip: tuple  # (skip_zero_advantage, reason)
+    worker: object
+    steps_per_rollout: int = 1
+    rows: list = dataclasses.field(default_factory=list)
+
+
+def build_modes(overrides, budget):
+    from hydra import compose, initialize_config_dir
+
+    from dsrl.config.reuse import decide_reuse
+    from dsrl.loss.skip import zero_advantage_skip
+    from dsrl.main import build
+    from dsrl.rollout.factory import build_rollout
+
+    on = [f"actor.max_tokens_per_microbatch={budget}", "actor.shared_prompt=auto", "algo.reuse_logprobs=auto",
+          "algo.skip_zero_variance_groups=true"]
+    with initialize_config_dir(config_dir=os.path.abspath(os.path.join(ROOT, "conf")), version_base=None):
+        node = compose(config_name="config", overrides=DEFAULTS + on + list(overrides))
+    run_dir = tempfile.mkdtemp(prefix="bench_step_")
+    trainer = build(node, run_dir)
+    c = trainer.cfg
+    off_cfg = dataclasses.replace(
+        c, actor=dataclasses.replace(c.actor, max_tokens_per_microbatch=0, shared_prompt="off"),
+        algo=dataclasses.replace(c.algo, reuse_logprobs="off", skip_zero_variance_groups=False))
+    with old_rollout_settings():
+        old_worker = build_rollout(off_cfg, _model_path(c), run_dir)
+    modes = {"on": Mode("all on", c, trainer.decision, (trainer.skip_zero_advantage, trainer.skip_reason),
+                        trainer.worker),
+             "off": Mode("all off", off_cfg, decide_reuse(off_cfg), zero_advantage_skip(off_cfg), old_worker)}
+    return trainer, modes
+
+
+def build_adaptive_modes(overrides, budget, k):
+    """algo.num_steps_per_rollout=k: reuse_logprobs=adaptive (rollout log-probs + probe) against the
+    full old-policy pass (off), every other speed-up on in both, one engine."""
+    from hydra import compose, initialize_config_dir
+
+    from dsrl.config.reuse import decide_reuse, steps_per_rollout
+    from dsrl.main import build
+
+    on = [f"actor.max_tokens_per_microbatch={budget}", "actor.shared_prompt=auto", "algo.reuse_logprobs=adaptive",
+          "algo.skip_zero_variance_groups=true", f"algo.num_steps_per_rollout={k}", f"algo.global_batch_size={64 // k}"]
+    with initialize_config_dir(config_dir=os.path.abspath(os.path.join(ROOT, "conf")), version_base=None):
+        node = compose(config_name="config", overrides=DEFAULTS + on + list(overrides))
+    trainer = build(node, tempfile.mkdtemp(prefix="bench_step_"))
+    c = trainer.cfg
+    off_cfg = dataclasses.replace(c, algo=dataclasses.replace(c.algo, reuse_logprobs="off"))
+    skip = (trainer.skip_zero_advantage, trainer.skip_reason)
+    modes = {"on": Mode("adaptive", c, trainer.decision, skip, trainer.worker, steps_per_rollout(c)),
+             "off": Mode("full pass", off_cfg, decide_reuse(off_cfg), skip, trainer.worker, steps_per_rollout(c))}
+    return trainer, modes
+
+
+def _model_path(cfg):
+    from dsrl.setup_assets import default_cache_dir, resolve_model_path
+
+    return resolve_model_path(cfg.model.path, str(default_cache_dir()))
+
+
+def use(trainer, mode):
+    trainer.cfg, trainer.decision, trainer.worker = mode.cfg, mode.decision, mode.worker
+    trainer.skip_zero_advantage, trainer.skip_reason = mode.skip
+    trainer.steps_per_rollout = mode.steps_per_rollout
+
+
+def run_dsrl(overrides, steps, budget, adaptive=0):
+    trainer, modes = build_adaptive_modes(overrides, budget, adaptive) if adaptive else build_modes(overrides, budget)
+    order = ["on", "off"]
+    try:
+        step = 0
+        for k in range(steps + 1):  # round 0 warms both modes up
+            for key in (order if k % 2 == 0 else order[::-1]):
+                mode = modes[key]
+                use(trainer, mode)
+                step += 1
+                m = trainer.step(step)
+                other = modes["off" if key == "on" else "on"]
+                trainer.worker = other.worker  # the other engine gets the new weights too, untimed
+                trainer._push_weights(step)
+                row = {p: m.get(f"timing/{p}", 0.0) for p in PHASES}
+                row["step"] = m["timing/step"]
+                if k:
+                    mode.rows.append(row)
+                print(f"step {step:2d} {mode.name:<7} {'(warm-up) ' if not k else ''}"
+                      + " ".join(f"{p}={row[p]:.2f}s" for p in ("step", *PHASES))
+                      + f" reward={m.get('reward/mean', 0):.3f}", flush=True)
+    finally:
+        for mode in modes.values():
+            with contextlib.suppress(Exception):
+                mode.worker.close()
+    dtype = trainer.cfg.model.dtype
+    del trainer
+    gc.collect()
+    med = {key: {p: statistics.median(r[p] for r in mode.rows) for p in ("step", *PHASES)}
+           for key, mode in modes.items()}
+    job = f"algo.num_steps_per_rollout={adaptive}" if adaptive else "default job"
+    print(f"\n== whole step, {job} ({dtype}), medians of {steps} steps per mode, interleaved ==")
+    for key, mode in modes.items():
+        print(f"{mode.name:<8} step {med[key]['step']:.2f}s  ("
+              + ", ".join(f"{p} {med[key][p]:.2f}s" for p in PHASES) + ")")
+    print(f"ratio step time, {modes['on'].name} / {modes['off'].name}: {med['on']['step'] / med['off']['step']:.3f}")
+    return med["on"]["step"], dtype
+
+
+def trl_prompts(n_prompts):
+    import random
+
+    from dsrl.data.registry import make_source
+
+    prompts = make_source("arith").sample_train(n_prompts, random.Random(0))
+    return [{"messages": list(p.messages), "answer": p.answer} for p in prompts]
+
+
+def run_trl(python, steps, dtype, dsrl_step):
+    from dsrl.setup_assets import smollm2_path
+
+    if not os.path.exists(python):
+        print(f"\nTRL not installed: skipped ({python} not found)")
+        return
+    out = tempfile.mkdtemp(prefix="bench_trl_")
+    spec = {"model": str(smollm2_path()), "dtype": dtype, "steps": steps + 1, "n_samples": 8, "prompts_per_step": 8,
+            "micro_batch_size": 8, "max_tokens": 16, "threads": os.cpu_count() or 2,
+            "prompts": trl_prompts(8 * (steps + 1)), "output_dir": out}
+    path = os.path.join(out, "spec.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    # Without dsrl's torch.distributed variables: TRL would bind this process's (still held) store port.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    proc = subprocess.run([python, os.path.join(HERE, "trl_grpo_step.py"), path], capture_output=True, text=True,
+                          env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        print(f"\nTRL run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return
+    res = json.loads(lines[-1])
+    times = res["step_seconds"][1:]  # the first step warms up
+    trl_step = statistics.median(times)
+    print(f"\n== dsrl vs TRL {res['trl']} GRPOTrainer, same work ({dtype}, 8x8 samples, 16 tokens) ==")
+    print(f"TRL step {trl_step:.2f}s (median of {len(times)}: {' '.join(f'{t:.1f}' for t in times)})")
+    print(f"dsrl step (all on) {dsrl_step:.2f}s")
+    print(f"ratio dsrl / TRL: {dsrl_step / trl_step:.3f}  (issue 9 goal: <= 0.25)")
+
+
+def main(argv) -> int:
+    opts = {"steps": 4, "trl_steps": 3, "budget": 2048, "trl": 1, "adaptive": 0}
+    trl_python = "/work/trl-venv/bin/python"
+    overrides = []
+    for a in argv:
+        key, _, value = a.partition("=")
+        if key == "bench.trl_python":
+            trl_python = value
+        elif key.startswith("bench."):
+            if key[6:] not in opts:
+                raise SystemExit(f"unknown option {key} (known: bench.trl_python, "
+                                 f"{', '.join('bench.' + k for k in opts)})")
+            opts[key[6:]] = int(value)
+        else:
+            overrides.append(a)
+    from bench_rollout import machine_line
+
+    print(f"machine: {machine_line()}", flush=True)
+    dsrl_step, dtype = run_dsrl(overrides, opts["steps"], opts["budget"], opts["adaptive"])
+    if opts["trl"] and not opts["adaptive"]:
+        run_trl(trl_python, opts["trl_steps"], dtype, dsrl_step)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,163 @@
+"""Weight sync without disk vs the file-based push it replaced, on real vLLM engines.
+
+For each dtype (float32, bfloat16) of SmolLM2-135M (or `bench.model=tiny`): a frozen ActorEngine
+(ZeRO-0) with perturbed weights and two vLLM engines of that dtype. Timed, alternating ABBA
+within each round (one process):
+- shm:  dsrl.rollout.weight_sync.WeightSync.push (export -> buckets packed into /dev/shm ->
+        one RPC per bucket per engine), probe off for the timing;
+- file: the old push, kept below as `file_push`: full state dict -> one safetensors file ->
+        every engine `reload_weights` from it (+ re-tie of the head);
+for 1 and 2 engines, against the model's bytes and the machine's memcpy of those bytes
+(one torch copy_ of a flat buffer, median). Also the probe's mean |log-prob diff| after a sync
+(`rollout/sync_logprob_diff`), the evidence for rollout.sync_tolerance's defaults.
+
+    make bench-sync [ARGS="bench.rounds=3 bench.model=smollm2 bench.dtypes=float32,bfloat16"]
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def file_push(actor, workers, folder: str) -> None:
+    """The pre-bucket push: the whole state dict into one safetensors file, each engine reloads it."""
+    from safetensors.torch import save_file
+
+    from dsrl.rollout.vllm_worker import reload_and_retie
+
+    state = actor.state_dict_for_export()
+    path = os.path.join(folder, "model.safetensors")
+    save_file(state, path + ".tmp", metadata={"format": "pt"})
+    os.replace(path + ".tmp", path)
+    for w in workers:
+        w.llm.collective_rpc(reload_and_retie, args=(folder,))
+        w.llm.reset_prefix_cache()
+
+
+class Engines:
+    """Several VLLMWorkers fed from ONE shared-memory staging: the buckets are packed once and
+    each engine loads them (what a multi-engine worker on one machine does)."""
+
+    def __init__(self, workers, name="bench engines"):
+        from dsrl.rollout.shm_transport import ShmStaging
+
+        self.workers, self.name, self.staging = workers, name, ShmStaging()
+        self.load_seconds = []  # engine side of each push (the rest is the trainer's export + pack)
+
+    def bucket_allocator(self):
+        return self.staging.alloc
+
+    def push_weights(self, buckets, step):
+        refs = self.staging.stage(buckets)
+        t0 = time.perf_counter()
+        for w in self.workers:
+            w.load_shared_weights(refs)
+        self.load_seconds.append(time.perf_counter() - t0)
+
+    def probe_logprobs(self, tokens):
+        return {f"engine {i}": w.probe_logprobs(tokens) for i, w in enumerate(self.workers)}
+
+    def close(self):
+        self.staging.close()
+
+
+def memcpy_seconds(nbytes: int, reps: int = 7) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_dtype(model_path: str, dtype: str, rounds: int, bucket_mb: float) -> dict:
+    from dsrl.actor.engine import ActorEngine
+    from dsrl.config.schema import RolloutConfig
+    from dsrl.rollout.vllm_worker import VLLMWorker
+    from dsrl.rollout.weight_sync import WeightSync, probe_tokens, trainer_probe_logprobs
+
+    actor = ActorEngine(model_path, zero_stage=0, dtype=dtype, trainable=False, micro_batch_size=1)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in actor.module.parameters():
+            p.add_((0.02 * torch.randn(p.shape, generator=g)).to(p.dtype))
+    nbytes = sum(t.numel() * t.element_size() for _, t in actor.export_named_tensors(copy=False))
+    workers = [VLLMWorker(model_path, dtype=dtype, kv_cache_gib=1, local_rank=0, local_world=1) for _ in range(2)]
+    cfg = dataclasses.replace(RolloutConfig(), dtype=dtype, sync_bucket_mb=bucket_mb, sync_probe=False)
+    groups = {1: Engines(workers[:1]), 2: Engines(workers)}
+    syncs = {k: WeightSync(actor, e, cfg) for k, e in groups.items()}
+    folder = tempfile.mkdtemp(prefix="bench_sync_")
+    methods = {f"shm x{k}": (lambda k=k: syncs[k].push(0)) for k in (1, 2)}
+    methods.update({f"file x{k}": (lambda k=k: file_push(actor, workers[:k], folder)) for k in (1, 2)})
+    times = {m: [] for m in methods}
+    try:
+        for m in methods.values():  # warm-up: segments created, files cached, engines touched
+            m()
+        for e in groups.values():
+            e.load_seconds.clear()
+        for r in range(rounds):
+            for k in (1, 2):
+                order = [f"shm x{k}", f"file x{k}"]
+                for m in order + order[::-1]:  # ABBA
+                    t0 = time.perf_counter()
+                    methods[m]()
+                    times[m].append(time.perf_counter() - t0)
+        # Probe of each engine after a sync: mean |diff| against the trainer's log-probs.
+        syncs[2].push(0)
+        tokens = probe_tokens(actor.hf_config.vocab_size)
+        mine = trainer_probe_logprobs(actor, tokens)
+        diffs = {n: float((torch.tensor(v) - mine).abs().mean())
+                 for n, v in groups[2].probe_logprobs(tokens).items()}
+    finally:
+        for e in groups.values():
+            e.close()
+        for w in workers:
+            w.close()
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    loads = {k: statistics.median(e.load_seconds[:2 * rounds]) for k, e in groups.items()}
+    return {"bytes": nbytes, "memcpy": memcpy_seconds(nbytes), "times": times, "diffs": diffs, "loads": loads}
+
+
+def main(argv) -> int:
+    from dsrl import hardware
+    from dsrl.setup_assets import smollm2_path
+    from dsrl.testing import configure_test_env, ensure_tiny_model
+
+    configure_test_env()  # DeepSpeed on CPU, its JIT op cache
+
+    opts = {"bench.rounds": "3", "bench.model": "smollm2", "bench.dtypes": "float32,bfloat16",
+            "bench.bucket_mb": "256"}
+    for a in argv:
+        k, _, v = a.partition("=")
+        if k not in opts:
+            raise SystemExit(f"unknown option {k!r}; known: {sorted(opts)}")
+        opts[k] = v
+    model = str(smollm2_path() if opts["bench.model"] == "smollm2" else ensure_tiny_model())
+    print(hardware.describe(hardware.probe(1)))
+    print(f"model {model}, bucket {opts['bench.bucket_mb']} MiB, {opts['bench.rounds']} ABBA rounds")
+    for dtype in opts["bench.dtypes"].split(","):
+        res = run_dtype(model, dtype, int(opts["bench.rounds"]), float(opts["bench.bucket_mb"]))
+        mb, cp = res["bytes"] / 1e6, res["memcpy"]
+        print(f"[{dtype}] model {mb:.0f} MB; memcpy {cp * 1e3:.1f} ms ({mb / 1e3 / cp:.1f} GB/s)")
+        for k in (1, 2):
+            shm, fil = statistics.median(res["times"][f"shm x{k}"]), statistics.median(res["times"][f"file x{k}"])
+            print(f"[{dtype}] {k} engine(s): shm sync {shm:.3f} s ({shm / cp:.1f}x memcpy), file push {fil:.3f} s "
+                  f"({fil / cp:.1f}x memcpy); file/shm {fil / shm:.2f}x  (medians of {len(res['times'][f'shm x{k}'])}); "
+                  f"shm = trainer export+pack {shm - res['loads'][k]:.3f} s + engine loads {res['loads'][k]:.3f} s")
+        print(f"[{dtype}] probe mean |log-prob diff|: " + ", ".join(f"{n} {d:.2e}" for n, d in res["diffs"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

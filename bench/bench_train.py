@@ -1,0 +1,125 @@
+"""Train-phase time, measured side by side on the default job's data: shared-prompt vs dense
+forward, and token-budget vs fixed-count microbatches.
+
+One real rollout of the default job (SmolLM2, 8 prompts x 8 samples, 16 new tokens, the
+machine's auto dtype) is generated once by the real vLLM worker, which is then closed so it
+does not compete for the cores; the same samples are then trained on in four layouts,
+interleaved in ABCD DCBA order so machine noise hits all alike (each train phase is one real
+optimizer step on the same engine). Also prints the dense-vs-shared log-prob agreement on these
+samples (max |delta log p| of the standalone scoring pass) and the pad fraction of each layout.
+
+    make bench-train                                          # SmolLM2, 2 rounds
+    python bench/bench_train.py bench.rounds=1 model.path=tiny    # quick
+    python bench/bench_train.py bench.max_tokens=2048 model.dtype=float32
+    python bench/bench_train.py bench.samples=/tmp/rollout.pkl   # keep the rollout; a re-run reuses it
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+
+DEFAULTS = ["+exp=grpo_reuse", "algo.skip_zero_variance_groups=false", "trainer.eval_before=false",
+            "trainer.eval_after=false", "trainer.save_final=false", "logger.progress=false", "logger.plot=false",
+            "logger.tensorboard=false"]
+# (name, shared prompt, token budget or 0 for micro_batch_size samples)
+MODES_OF = lambda budget: [("dense/count", False, 0), ("shared/count", True, 0),  # noqa: E731
+                           ("dense/budget", False, budget), ("shared/budget", True, budget)]
+
+
+def _parse(argv):
+    opts = {"rounds": 2, "max_tokens": 1024}
+    overrides = []
+    for a in argv:
+        if a.startswith("bench."):
+            k, v = a[len("bench."):].split("=", 1)
+            opts[k] = v if k == "samples" else int(v)
+        else:
+            overrides.append(a)
+    return opts, overrides
+
+
+def _agreement(trainer, samples):
+    """max |log p_shared - log p_dense| over every response token (standalone scoring pass)."""
+    from dsrl.actor.shared_prompt import SharedPromptDecision
+
+    actor = trainer.actor
+    out = {}
+    for on in (False, True):
+        actor._shared_prompt_decision = SharedPromptDecision(on, "bench")
+        out[on] = trainer._score(actor, samples, "bench")
+    return max(float((a - b).abs().max()) for a, b in zip(out[True], out[False]))
+
+
+def main(argv) -> int:
+    opts, overrides = _parse(argv)
+    from hydra import compose, initialize_config_dir
+
+    from dsrl.actor.shared_prompt import SharedPromptDecision, engine_uses_shared_prompt
+    from dsrl.main import build
+
+    conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf")
+    with initialize_config_dir(config_dir=os.path.abspath(conf), version_base=None):
+        node = compose(config_name="config", overrides=DEFAULTS + overrides)
+    trainer = build(node, tempfile.mkdtemp(prefix="bench_train_"))
+    engine_uses_shared_prompt(trainer.cfg, trainer.actor)
+    auto = trainer.actor._shared_prompt_decision  # what actor.shared_prompt decided for this model
+    path = opts.get("samples")
+    try:
+        if path and os.path.exists(path):  # the rollout of an earlier run (same job): skip generation
+            samples = pickle.load(open(path, "rb"))
+        else:
+            collected = trainer._collect_samples(1)
+            samples = list(getattr(collected, "samples", collected))  # a Rollout (or a plain list of samples)
+            if path:
+                pickle.dump(samples, open(path, "wb"))
+    finally:
+        trainer.worker.close()
+    cfg0 = trainer.cfg
+    prompt_lens = sorted({len(s.prompt_ids) for s in samples})
+    resp = [len(s.response_ids) for s in samples]
+    print(f"data: {len(samples)} samples, prompt lengths {prompt_lens[0]}-{prompt_lens[-1]}, response lengths "
+          f"{min(resp)}-{max(resp)} (mean {sum(resp) / len(resp):.1f}); dtype {cfg0.model.dtype}, "
+          f"attention {cfg0.model.attn_implementation}, micro_batch_size {cfg0.actor.micro_batch_size}, "
+          f"budget {opts['max_tokens']} tokens", flush=True)
+    print(f"log-prob agreement, shared vs dense scoring pass ({cfg0.model.dtype}): max |dlogp| = "
+          f"{_agreement(trainer, samples):.2e}", flush=True)
+    modes = MODES_OF(opts["max_tokens"])
+
+    def run(name, shared, budget, step):
+        trainer.cfg = dataclasses.replace(cfg0, actor=dataclasses.replace(cfg0.actor, max_tokens_per_microbatch=budget))
+        trainer.actor._shared_prompt_decision = SharedPromptDecision(shared, "bench")
+        trainer.timer.pop()
+        m = trainer.train_on(samples)
+        t = trainer.timer.pop()["timing/train"]
+        print(f"round {step:2d} {name:13s} train={t:6.2f}s microbatches={m['train/microbatches']:.0f} "
+              f"pad_fraction={m['train/pad_fraction']:.3f} loss={m['train/loss']:+.4f}", flush=True)
+        return t, m
+
+    run(*modes[0], 0)  # warm-up (allocator, kernels, DeepSpeed's first step); not counted
+    times = {name: [] for name, _, _ in modes}
+    pads = {}
+    for r in range(opts["rounds"]):
+        order = modes if r % 2 == 0 else modes[::-1]  # ABCD, DCBA, ...
+        for name, shared, budget in order:
+            t, m = run(name, shared, budget, r + 1)
+            times[name].append(t)
+            pads[name] = m["train/pad_fraction"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\n== train phase, medians over {opts['rounds']} round(s) ==")
+    for name in med:
+        print(f"{name:13s} {med[name]:6.2f}s  pad_fraction {pads[name]:.3f}")
+    print(f"shared-prompt / dense (count-based microbatches):  {med['shared/count'] / med['dense/count']:.3f}"
+          "   (target <= 0.5 at n=8)")
+    print(f"token-budget / fixed-count (dense):                {med['dense/budget'] / med['dense/count']:.3f}")
+    print(f"token-budget / fixed-count (shared-prompt):        {med['shared/budget'] / med['shared/count']:.3f}")
+    print(f"shared+budget / dense+count:                       {med['shared/budget'] / med['dense/count']:.3f}")
+    print(f"actor.shared_prompt={cfg0.actor.shared_prompt} decided: {auto.reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,229 @@
+"""The critic of PPO with GAE: the policy's HF backbone plus a scalar value head, on its own
+DeepSpeed engine (ZeRO 0-3) with its own optimizer, so the value loss can only ever move the
+critic and the policy loss only the actor.
+
+Values are aligned like the actor's log-probs (dsrl.loss.types): column t of a microbatch's
+[B, T-1] values is V(tokens 0..t), the state from which target token t+1 is generated, read from
+the backbone's hidden state at position t. Shared-prompt microbatches (dsrl.actor.shared_prompt)
+are read through the same `logit_index` gather as the actor's logits.
+
+Gradient scaling follows the actor (dsrl.actor.engine): value losses return Aggregator partial
+sums, `backward` multiplies by the DP world size to undo DeepSpeed's averaging, GAS=1 with a
+manual accumulation boundary, so the gradient is that of the global value loss whatever the
+microbatch or rank split."""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, List, Mapping, Optional
+
+import torch
+
+from dsrl.actor.device import to_device, to_host
+from dsrl.actor.engine import _DTYPES, build_ds_config, init_distributed
+from dsrl.actor.nonfinite import any_rank, discard_gradients, local_grads_finite
+from dsrl.actor.shared_prompt import additive_mask, is_shared_prompt_batch
+from dsrl.loss.types import Aggregator
+from dsrl.loss.value import ValueLoss, ValueLossInputs, finish_value_metrics, get_value_loss
+
+_DS_TAG = "critic"  # sub-folder of a dsrl checkpoint holding the critic's DeepSpeed files
+VALUE_HEAD_SEED = 1234  # the fresh head is the same on every rank and for every ZeRO stage
+
+
+class ValueModel(torch.nn.Module):
+    """An HF base model (no LM head) and a linear head from the last hidden state to one value."""
+
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = torch.nn.Linear(hidden_size, 1)
+
+    def forward(self, input_ids, attention_mask, position_ids=None, keep: int = 0) -> torch.Tensor:
+        """[B, T] float32 values (the last `keep` positions when keep > 0)."""
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False)
+        hidden = out.last_hidden_state
+        if keep:
+            hidden = hidden[:, -keep:]
+        return self.value_head(hidden).squeeze(-1).float()
+
+
+def _fresh_head(head: torch.nn.Linear, hidden_size: int) -> None:
+    """N(0, 1/(hidden+1)) weights (small initial values, as OpenRLHF's critic), zero bias, from a
+    fixed seed."""
+    g = torch.Generator().manual_seed(VALUE_HEAD_SEED)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=g) / (hidden_size + 1))
+        head.bias.zero_()
+
+
+class CriticEngine:
+    """A DeepSpeed-wrapped value model: `values` (forward-only) and `train_step` (value loss ->
+    backward -> optimizer step)."""
+
+    def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "float32",
+                 attn_implementation: str = "eager", lr: float = 1e-5, betas: Iterable[float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, grad_clip: float = 1.0, micro_batch_size: int = 8,
+                 gradient_checkpointing: bool = False, persistence_threshold: int = 10000):
+        import deepspeed
+        from transformers import AutoConfig, AutoModel
+
+        init_distributed()
+        self.zero_stage = int(zero_stage)
+        self._nonfinite_loss = False
+        self.last_step_skipped = False
+        ds_config = build_ds_config(zero_stage, micro_batch_size, dtype=dtype, grad_clip=grad_clip,
+                                    persistence_threshold=persistence_threshold)
+        self.ds_config = ds_config
+        hf_config = AutoConfig.from_pretrained(model_path)
+        hf_ds = None
+        if zero_stage == 3:  # as the actor: transformers loads into partitioned parameters
+            from transformers.integrations import HfDeepSpeedConfig
+
+            hf_ds = HfDeepSpeedConfig(ds_config)
+        try:
+            # AutoModel on a causal-LM folder loads the base model and leaves the LM head out.
+            backbone = AutoModel.from_pretrained(model_path, config=hf_config, dtype=_DTYPES[dtype],
+                                                 attn_implementation=attn_implementation)
+        finally:
+            if hf_ds is not None:
+                from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+                unset_hf_deepspeed_config()
+                del hf_ds
+        if gradient_checkpointing:
+            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hidden = int(hf_config.hidden_size)
+        model = ValueModel(backbone, hidden)
+        model.value_head.to(_DTYPES[dtype])
+        _fresh_head(model.value_head, hidden)  # a plain parameter: DeepSpeed partitions it under ZeRO-3
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+
+    @property
+    def module(self) -> ValueModel:
+        return self.engine.module
+
+    @property
+    def dp_world_size(self) -> int:
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    # ------------------------------------------------------------------ forward
+    def _values(self, mb: Mapping) -> torch.Tensor:
+        """Values at every target column: [B, T-1] (dense layout) or [B, R] (shared-prompt)."""
+        if not is_shared_prompt_batch(mb):
+            return self.engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"])[:, :-1]
+        dtype = self.module.backbone.get_input_embeddings().weight.dtype
+        v = self.engine(input_ids=mb["input_ids"], attention_mask=additive_mask(mb["attention_mask"], dtype),
+                        position_ids=mb["position_ids"], keep=int(mb["logits_to_keep"]))
+        index = mb["logit_index"].to(v.device)
+        return v.reshape(-1).index_select(0, index.reshape(-1)).view(index.shape)
+
+    @torch.no_grad()
+    def values(self, microbatches: Iterable[Mapping], *, progress=None) -> List[torch.Tensor]:
+        """Forward-only values of each microbatch (0 off the loss mask), on the host: the `values`
+        GAE reads and the `old_values` the clipped value loss keeps V near."""
+        was_training = self.module.training
+        self.module.eval()
+        out = []
+        try:
+            for mb in microbatches:
+                mb = to_device(mb, self.engine.device)
+                out.append((self._values(mb) * mb["loss_mask"]).detach())
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            self.module.train(was_training)
+        return to_host(out)
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(self, mb: Mapping, loss_fn: ValueLoss, config: Mapping, reduce: Aggregator, *,
+                         is_last: bool = True):
+        """One microbatch: values, value loss (fixed inputs: returns, old_values), backward."""
+        mb = to_device(mb, self.engine.device)
+        v = self._values(mb)
+        fixed = {k: mb[k] for k in ("returns", "old_values") if k in mb}
+        out = loss_fn(ValueLossInputs(values=v, mask=mb["loss_mask"], batch=fixed, config=config, reduce=reduce))
+        self._nonfinite_loss |= not bool(torch.isfinite(out.loss.detach()).all())
+        self.engine.set_gradient_accumulation_boundary(bool(is_last))
+        self.engine.backward(out.loss * float(self.dp_world_size), scale_wrt_gas=False)
+        return out
+
+    def train_step(self, microbatches: List[Mapping], config: Mapping,
+                   reduce_for: Callable[[Mapping], Aggregator], *, loss: str = "clipped") -> dict:
+        """One critic optimizer step over this rank's microbatches (every rank the same number:
+        pad with empty ones, as the actor's). `reduce_for(mb)` builds each microbatch's Aggregator
+        from the step's global counts. Returns global metrics (collective): critic/value_loss,
+        critic/value_clipfrac, critic/explained_variance, critic/values, critic/returns,
+        critic/grad_norm."""
+        from dsrl.distributed.collectives import all_reduce_sum
+
+        loss_fn = get_value_loss(loss)
+        sums: dict = {}
+        for i, mb in enumerate(microbatches):
+            mb = to_device(mb, self.engine.device)  # the Aggregator's mask on the values' device
+            out = self.forward_backward(mb, loss_fn, config, reduce_for(mb), is_last=i == len(microbatches) - 1)
+            for name, value in out.metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(value)
+        grad_norm = self.optimizer_step()
+        names = sorted(sums)
+        metrics = finish_value_metrics(dict(zip(names, all_reduce_sum([sums[n] for n in names]))))
+        metrics["critic/grad_norm"] = grad_norm
+        return metrics
+
+    def optimizer_step(self) -> float:
+        """Apply the accumulated gradient; the global grad norm before clipping. Skipped (NaN,
+        `last_step_skipped`) when any rank saw a non-finite loss or gradient. Collective."""
+        self.engine.set_gradient_accumulation_boundary(True)
+        bad_loss, self._nonfinite_loss = self._nonfinite_loss, False
+        self.last_step_skipped = any_rank(bad_loss or not local_grads_finite(self.engine))
+        if self.last_step_skipped:
+            discard_gradients(self.engine)
+            return float("nan")
+        pre_norm = None
+        if self.zero_stage == 0:  # DeepSpeed records the norm only for ZeRO optimizers
+            grads = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]
+            pre_norm = torch.stack(grads).norm() if grads else torch.tensor(0.0)
+        self.engine.step()
+        norm = pre_norm if pre_norm is not None else self.engine.get_global_grad_norm()
+        if norm is None:
+            return float("nan")
+        return float(norm.item() if torch.is_tensor(norm) else norm)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, folder: str) -> None:
+        """DeepSpeed checkpoint of the critic (module, optimizer) into `folder`/critic. Collective."""
+        self.engine.save_checkpoint(folder, tag=_DS_TAG, save_latest=False)
+
+    def load_checkpoint(self, folder: str) -> None:
+        path, _ = self.engine.load_checkpoint(folder, tag=_DS_TAG)
+        if path is None:
+            raise FileNotFoundError(f"no critic checkpoint under {folder}/{_DS_TAG}")
+
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """Full (gathered) parameters; a no-op below ZeRO-3."""
+        if self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
+                yield
+        else:
+            yield
+
+
+def build_critic(cfg, model_path: str, *, dtype: str, attn_implementation: str) -> Optional[CriticEngine]:
+    """The critic of `cfg` (Config), or None when algo.advantage_estimator reads no values.
+    `model_path`/`dtype`/`attn_implementation`: the actor's resolved ones (critic.path overrides
+    the path)."""
+    from dsrl.loss.registry import get_advantage_estimator
+
+    if not getattr(get_advantage_estimator(cfg.algo.advantage_estimator), "needs_values", False):
+        return None
+    c, a = cfg.critic, cfg.actor
+    return CriticEngine(c.path or model_path, zero_stage=a.zero_stage if c.zero_stage is None else c.zero_stage,
+                        dtype=dtype, attn_implementation=attn_implementation, lr=c.lr, betas=a.betas, eps=a.eps,
+                        weight_decay=c.weight_decay, grad_clip=c.grad_clip,
+                        micro_batch_size=c.micro_batch_size or a.micro_batch_size,
+                        gradient_checkpointing=c.gradient_checkpointing,
+                        persistence_threshold=a.stage3_param_persistence_threshold)

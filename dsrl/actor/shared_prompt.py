@@ -1,0 +1,202 @@
+"""Shared-prompt layout: a group's samples share one prompt, so it is forwarded once.
+
+One packed row per run of consecutive samples with the same prompt (a GRPO group, or the part of
+a group that falls into this microbatch): the prompt, then each response back to back, right-
+padded to the microbatch's longest row. A 4-D attention mask lets every response attend the
+prompt and itself (causally), never another response; position ids restart at P for each
+response, so each response sees exactly the context and positions it has in the dense layout.
+The log-prob of response token 0 comes from the prompt's last position (shared by all responses
+of the row), token k >= 1 from the response's own position k-1.
+
+Per-token fields of such a microbatch are *response-aligned*: [B, R] with column k = response
+token k of sample b (R = the longest response). `logit_index` [B, R] maps each column to a row of
+the kept logits flattened to [rows * logits_to_keep, V]. The gather's backward sums the gradients
+of the shared prompt's last position over the responses, and autograd sums the prompt's other
+contributions through the attention: the gradient equals the dense one up to float rounding.
+
+Exact (same math as the dense forward) for decoder-only models whose attention takes an arbitrary
+4-D mask and explicit position ids, with eager or sdpa attention and no sliding window."""
+from __future__ import annotations
+
+import logging
+from typing import List, NamedTuple, Optional, Sequence
+
+import torch
+
+from dsrl.actor.batch import Sample
+
+log = logging.getLogger("dsrl")
+
+# Architectures whose HF attention takes a 4-D additive mask as-is and RoPE from position_ids.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# Attention kernels that apply an arbitrary 4-D mask (flash-attention variants do not).
+SUPPORTED_ATTENTION = ("eager", "sdpa")
+# Keys a shared-prompt microbatch carries for the forward only (not objective inputs).
+FORWARD_KEYS = ("input_ids", "attention_mask", "targets", "position_ids", "logit_index", "logits_to_keep",
+                "token_count")
+
+
+class SharedPromptDecision(NamedTuple):
+    on: bool
+    reason: str
+
+
+def _unsupported_reason(hf_config, attn_implementation: Optional[str]) -> Optional[str]:
+    """Why the shared-prompt forward would not equal the dense one for this model, or None."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {list(SUPPORTED_MODEL_TYPES)} (4-D mask + position ids)"
+    attn = attn_implementation or getattr(hf_config, "_attn_implementation", None)
+    if attn not in (None, "auto") and attn not in SUPPORTED_ATTENTION:  # auto: resolved to eager or sdpa
+        return f"attention implementation {attn!r} does not take a 4-D mask (needs one of {list(SUPPORTED_ATTENTION)})"
+    if getattr(hf_config, "use_sliding_window", False) and getattr(hf_config, "sliding_window", None):
+        return "the model uses sliding-window attention (a custom 4-D mask would replace the window)"
+    return None
+
+
+def decide_shared_prompt(mode: str, hf_config, attn_implementation: Optional[str] = None, *,
+                         hooks: Sequence = ()) -> SharedPromptDecision:
+    """actor.shared_prompt=auto|on|off for one model. `on` where the layout is not exact for the
+    model is a ConfigError naming the key; `auto` turns it off and says why."""
+    from dsrl.config.reuse import ConfigError
+
+    if mode == "off":
+        return SharedPromptDecision(False, "shared-prompt forward off (actor.shared_prompt=off)")
+    why = _unsupported_reason(hf_config, attn_implementation)
+    if why is not None:
+        if mode == "on":
+            raise ConfigError(f"actor.shared_prompt=on is not exact for this model: {why}; "
+                              "set actor.shared_prompt=auto or off")
+        return SharedPromptDecision(False, f"shared-prompt forward off: {why}")
+    if mode == "auto" and hooks:
+        return SharedPromptDecision(False, "shared-prompt forward off: trainer.before_train_step_hooks see "
+                                           "microbatches, which keep the dense layout (set actor.shared_prompt=on)")
+    return SharedPromptDecision(True, f"shared-prompt forward on (actor.shared_prompt={mode}): each group's "
+                                      "prompt is forwarded once per microbatch")
+
+
+def check_shared_prompt_config(cfg, model_path: str) -> SharedPromptDecision:
+    """Before any weights load: read the model's HF config and fail on an inexact `on`."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_path)
+    return decide_shared_prompt(cfg.actor.shared_prompt, hf_config, cfg.model.attn_implementation,
+                                hooks=cfg.trainer.before_train_step_hooks)
+
+
+def engine_uses_shared_prompt(cfg, engine) -> bool:
+    """The decision for one engine (actor, reference or teacher may differ), made once per
+    engine and logged once."""
+    cached = getattr(engine, "_shared_prompt_decision", None)
+    if cached is None and getattr(engine, "hf_config", None) is None:
+        cached = SharedPromptDecision(False, "shared-prompt forward off: the engine has no HF model config")
+        engine._shared_prompt_decision = cached
+    if cached is None:
+        hooks = cfg.trainer.before_train_step_hooks if getattr(engine, "trainable", True) else ()
+        cached = decide_shared_prompt(cfg.actor.shared_prompt, engine.hf_config,
+                                      getattr(engine.hf_config, "_attn_implementation", None), hooks=hooks)
+        engine._shared_prompt_decision = cached
+        log.info("%s: %s", getattr(engine, "role", "engine"), cached.reason)
+    return cached.on
+
+
+def prompt_runs(samples: Sequence[Sample]) -> List[List[int]]:
+    """Indices of maximal runs of consecutive samples with the same prompt ids (one packed row each)."""
+    runs: List[List[int]] = []
+    for i, s in enumerate(samples):
+        if runs and list(samples[runs[-1][0]].prompt_ids) == list(s.prompt_ids):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def row_length(samples: Sequence[Sample], run: Sequence[int]) -> int:
+    """Tokens of one packed row: the prompt once plus every response."""
+    return len(samples[run[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in run)
+
+
+def collate_shared_prompt(samples: Sequence[Sample], pad_id: int, token_fields: Optional[dict] = None) -> dict:
+    """Pack samples into one shared-prompt microbatch (see the module docstring).
+
+    token_fields: name -> list (one per sample) of per-response-token tensors, placed
+    response-aligned like the log-probs."""
+    if not samples:
+        raise ValueError("collate_shared_prompt needs at least one sample")
+    runs = prompt_runs(samples)
+    G, B = len(runs), len(samples)
+    L = max(row_length(samples, r) for r in runs)
+    R = max(1, max(len(s.response_ids) for s in samples))
+    min_p = min(len(samples[r[0]].prompt_ids) for r in runs)
+    for s in samples:
+        if len(s.prompt_ids) < 1:
+            raise ValueError(f"sample {s.index}: empty prompt")
+    keep_from = min_p - 1  # no target reads the logits of earlier positions in any row
+    K = L - keep_from  # logits_to_keep: the last K positions of every row
+    input_ids = torch.full((G, L), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((G, L), dtype=torch.long)
+    allowed = torch.zeros((G, 1, L, L), dtype=torch.bool)
+    logit_index = torch.zeros((B, R), dtype=torch.long)
+    targets = torch.full((B, R), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((B, R), dtype=torch.float32)
+    rollout_lp = torch.zeros((B, R), dtype=torch.float32)
+    fields = {name: torch.zeros((B, R), dtype=torch.float32) for name in (token_fields or {})}
+    for g, run in enumerate(runs):
+        prompt = list(samples[run[0]].prompt_ids)
+        P = len(prompt)
+        input_ids[g, :P] = torch.tensor(prompt, dtype=torch.long)
+        position_ids[g, :P] = torch.arange(P)
+        allowed[g, 0, :P, :P] = torch.ones((P, P), dtype=torch.bool).tril_()
+        start = P
+        for b in run:
+            s = samples[b]
+            resp = list(s.response_ids)
+            n = len(resp)
+            end = start + n
+            if n:
+                input_ids[g, start:end] = torch.tensor(resp, dtype=torch.long)
+                position_ids[g, start:end] = torch.arange(P, P + n)
+                allowed[g, 0, start:end, :P] = True
+                allowed[g, 0, start:end, start:end] = torch.ones((n, n), dtype=torch.bool).tril_()
+                # logits position of target k: P-1 for k = 0, start+k-1 after; columns past the
+                # response point at P-1 too (finite values, zero loss mask)
+                pos = torch.full((R,), P - 1, dtype=torch.long)
+                pos[1:n] = torch.arange(start, end - 1)
+                logit_index[b] = g * K + (pos - keep_from)
+                targets[b, :n] = torch.tensor(resp, dtype=torch.long)
+                loss_mask[b, :n] = 1.0
+                rollout_lp[b, :n] = torch.as_tensor(s.rollout_log_probs, dtype=torch.float32)
+                for name, per_sample in (token_fields or {}).items():
+                    v = per_sample[b]
+                    if v is not None:
+                        fields[name][b, :n] = torch.as_tensor(v, dtype=torch.float32).reshape(-1)[:n]
+            else:
+                logit_index[b] = g * K + (P - 1 - keep_from)
+            start = end
+        pad = torch.arange(start, L)
+        allowed[g, 0, pad, pad] = True  # pad queries attend only themselves (no all-masked softmax row)
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": allowed,
+        "position_ids": position_ids,
+        "logit_index": logit_index,
+        "logits_to_keep": K,
+        "token_count": sum(row_length(samples, r) for r in runs),
+        "targets": targets,
+        "loss_mask": loss_mask,
+        "rollout_log_probs": rollout_lp,
+        "sample_indices": [s.index for s in samples],
+    }
+    batch.update(fields)
+    return batch
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [G, 1, L, L] (True = may attend) -> the additive float mask HF attention adds to its
+    scores: 0 where allowed, the dtype's lowest value elsewhere (as HF's own masks)."""
+    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return out.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def is_shared_prompt_batch(batch) -> bool:
+    return "logit_index" in batch

@@ -1,0 +1,64 @@
+"""Validation of the multi-turn rollout keys (`rollout.env`, `rollout.env_kwargs`,
+`rollout.max_turns`, `rollout.max_episode_tokens`) against the rest of the config, before
+anything heavy loads. dsrl/config/validate.py calls `check_agent_config(cfg)` and adds the
+returned errors (each names its key); an empty `rollout.env` (single-turn GRPO) returns none.
+
+What applies per episode: group advantage estimators (grpo, dr_grpo, rloo, reinforce_pp ...)
+take the episode's reward (the sum of its turn rewards); training log-prob reuse and TIS work
+unchanged, because they act per token under the loss mask, which is the model mask. What does
+not apply is rejected here by name."""
+from __future__ import annotations
+
+from typing import Any, List
+
+from dsrl.registry import PluginError
+
+# Options that assume one completion per prompt, or that the runner does not implement yet.
+_UNSUPPORTED = {
+    "rollout.backend": ("vllm",),  # the runner needs the vLLM worker's token-id prompts and log-probs
+}
+
+
+def check_agent_config(cfg: Any) -> List[str]:
+    r = cfg.rollout
+    name = getattr(r, "env", "") or ""
+    if not name:
+        return []
+    errors: List[str] = []
+    from dsrl.agent.env import make_env
+
+    kwargs = dict(getattr(r, "env_kwargs", None) or {})
+    try:
+        make_env(name, kwargs)
+    except (PluginError, ImportError, ValueError) as e:
+        errors.append(str(e))
+    max_turns = getattr(r, "max_turns", 0)
+    budget = getattr(r, "max_episode_tokens", 0)
+    if max_turns < 1:
+        errors.append(f"rollout.max_turns={max_turns} must be >= 1 (model turns per episode)")
+    if budget < 1:
+        errors.append(f"rollout.max_episode_tokens={budget} must be >= 1 (response tokens per episode)")
+    elif budget >= r.max_model_len:
+        errors.append(f"rollout.max_episode_tokens={budget} must be < rollout.max_model_len={r.max_model_len} "
+                      f"(the first observation needs room too)")
+    if r.max_new_tokens > budget >= 1:
+        errors.append(f"rollout.max_new_tokens={r.max_new_tokens} (per turn) exceeds rollout.max_episode_tokens={budget}")
+    estimator = getattr(getattr(cfg, "algo", None), "advantage_estimator", None)
+    if estimator == "gae":
+        errors.append(f"algo.advantage_estimator=gae does not apply to multi-turn episodes yet (rollout.env={name!r}): "
+                      f"its per-token recursion would run through environment tokens; use a group estimator "
+                      f"(grpo, dr_grpo, rloo, ...), which takes one reward per episode")
+    data = getattr(cfg, "data", None)
+    if data is not None and getattr(data, "chat_template", True) is False:
+        errors.append(f"data.chat_template=false: multi-turn episodes (rollout.env={name!r}) render turns through "
+                      f"the chat template")
+    if data is not None and getattr(data, "system_prompt", ""):
+        errors.append(f"data.system_prompt is not used with rollout.env={name!r}: the environment writes the first "
+                      f"observation (e.g. rollout.env_kwargs.system_prompt for calculator)")
+    for key, allowed in _UNSUPPORTED.items():
+        section, field = key.split(".")
+        value = getattr(getattr(cfg, section), field, None)
+        if value is not None and value not in allowed:
+            errors.append(f"{key}={value!r} does not apply to multi-turn episodes (rollout.env={name!r}); "
+                          f"use {' | '.join(allowed)}")
+    return errors

@@ -1,0 +1,76 @@
+"""Test helpers for dsrl.agent: a scripted environment, a scripted stand-in for the rollout
+worker (unit tests of the runner only; the token-identity test uses the real VLLMWorker), and a
+call-counting wrapper around any worker."""
+from __future__ import annotations
+
+from dsrl.agent.env import StepResult
+from dsrl.rollout.vllm_worker import Completion
+
+EPISODE_SEED_STRIDE = 1000  # ScriptedWorker reads (episode, turn) from the request seed
+
+
+class ScriptedEnv:
+    """Answers turn t with "obs {t}" (a user message); done after `done_after` turns with reward
+    `final_reward`; each step's reward is `step_reward`. Raises at turn `raise_at` if set."""
+
+    def __init__(self, done_after: int = 3, final_reward: float = 1.0, step_reward: float = 0.0,
+                 raise_at: int = -1, system: str = "You are a tester."):
+        self.done_after, self.final_reward, self.step_reward = done_after, final_reward, step_reward
+        self.raise_at, self.system = raise_at, system
+        self.actions = []
+
+    def reset(self, prompt=None, seed=None):
+        self.actions = []
+        text = prompt if isinstance(prompt, str) else "Start the game."
+        return [{"role": "system", "content": self.system}, {"role": "user", "content": text}]
+
+    def step(self, action):
+        self.actions.append(action)
+        t = len(self.actions)
+        if t == self.raise_at:
+            raise RuntimeError("scripted failure")
+        if t >= self.done_after:
+            return StepResult("", self.final_reward, True, {"turn": t})
+        return StepResult(f"obs {t}", self.step_reward, False, {"turn": t})
+
+
+class ScriptedWorker:
+    """generate() like VLLMWorker's: the completion of (episode e, turn t) is `texts(e, t)`
+    tokenized, followed by the end-of-turn token when `eos(e, t)`, cut at max_tokens; log-prob
+    of token k is -(k + 1) / 100 - e (distinct, to check alignment). (e, t) come from the
+    request seed e * stride + t."""
+
+    def __init__(self, tokenizer, texts, eos=lambda e, t: True, stride: int = EPISODE_SEED_STRIDE):
+        self.tok, self.texts, self.eos, self.stride = tokenizer, texts, eos, stride
+        self.calls = []  # (number of prompts, max_tokens) per call
+        self.sampled = {}  # (e, t) -> token ids returned
+
+    def generate(self, prompt_ids, *, n, temperature, top_p, max_tokens, show_progress=False, seeds=None):
+        assert n == 1 and seeds is not None
+        self.calls.append((len(prompt_ids), max_tokens))
+        out = []
+        for s in seeds:
+            e, t = divmod(int(s), self.stride)
+            ids = self.tok(self.texts(e, t), add_special_tokens=False)["input_ids"]
+            ids = list(ids) + ([self.tok.eos_token_id] if self.eos(e, t) else [])
+            finish = "stop" if len(ids) <= max_tokens and self.eos(e, t) else "length"
+            ids = ids[:max_tokens]
+            self.sampled[(e, t)] = ids
+            lps = [-(k + 1) / 100 - e for k in range(len(ids))]
+            out.append([Completion(ids, lps, finish, self.tok.decode(ids, skip_special_tokens=True))])
+        return out
+
+
+class CountingWorker:
+    """Wraps a worker; records the number of prompts of each generate call and what came back."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.calls = []
+        self.returned = []
+
+    def generate(self, prompt_ids, **kwargs):
+        self.calls.append(len(prompt_ids))
+        out = self.worker.generate(prompt_ids, **kwargs)
+        self.returned.append([[list(c.token_ids) for c in g] for g in out])
+        return out

@@ -1,0 +1,39 @@
+"""Launched by test_run_dir.py under `deepspeed --num_gpus 2`: composes dsrl's real Hydra
+config (no hydra.run.dir given), initialises torch.distributed the way dsrl does, and records
+where this rank's Hydra put its run folder. Rank 1 starts 1.2 s late, so its own timestamp
+would differ from rank 0's."""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+from dsrl.config.schema import register_configs
+
+register_configs()
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+@hydra.main(version_base=None, config_path=CONF, config_name="config")
+def main(cfg) -> None:
+    import torch.distributed as dist
+
+    from dsrl.actor.engine import init_distributed
+
+    run_dir = HydraConfig.get().runtime.output_dir
+    init_distributed()
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, run_dir)  # the process group works on the shared store
+    rank = dist.get_rank()
+    Path(run_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "run_dir": run_dir, "all": names}))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    sys.argv[1:] = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    if os.environ.get("RANK") == "1":
+        time.sleep(1.2)
+    main()

@@ -1,0 +1,82 @@
+"""PPO-with-critic config: conf/critic/default.yaml composes into the schema; validation names
+each bad critic/GAE key before anything loads; the reuse decision says what the critic changes."""
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from dsrl.config.reuse import ConfigError, decide_reuse
+from dsrl.config.schema import CriticConfig, register_configs, to_config
+from dsrl.config.validate import validate
+from dsrl.loss.registry import ADVANTAGE_ESTIMATORS
+
+CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
+register_configs()
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=os.path.abspath(CONF), version_base=None):
+        return to_config(compose(config_name="config", overrides=list(overrides)))
+
+
+@pytest.fixture
+def wired(monkeypatch):
+    """As once Trainer.train_on runs the critic: gae's rl_loop_error removed."""
+    monkeypatch.delattr(ADVANTAGE_ESTIMATORS["gae"], "rl_loop_error")
+
+
+def _errors(cfg) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    return str(e.value)
+
+
+def test_critic_group_composes_with_schema_defaults():
+    cfg = _cfg()
+    assert cfg.critic == CriticConfig()
+    assert (cfg.algo.gae_lambda, cfg.algo.value_clip, cfg.algo.value_loss_coef) == (1.0, 0.2, 1.0)
+    cfg = _cfg("algo.advantage_estimator=gae", "critic.lr=5e-6", "critic.zero_stage=3", "algo.value_clip=null")
+    assert cfg.critic.lr == 5e-6 and cfg.critic.zero_stage == 3 and cfg.algo.value_clip is None
+
+
+def test_gae_validates_once_the_loop_runs_the_critic(wired):
+    validate(_cfg("algo.advantage_estimator=gae", "critic.lr=1e-5", "algo.gae_lambda=0.95"))
+
+
+def test_gae_is_refused_while_the_loop_runs_no_critic():
+    assert "algo.advantage_estimator=gae cannot run in the RL loop yet" in _errors(_cfg("algo.advantage_estimator=gae"))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("algo.gae_lambda=1.5", "algo.gae_lambda=1.5 must be in [0, 1]"),
+    ("algo.value_clip=0", "algo.value_clip=0.0 must be > 0 or null"),
+    ("algo.value_loss_coef=0", "algo.value_loss_coef=0.0 must be > 0"),
+    ("critic.lr=0", "critic.lr=0.0 must be > 0"),
+    ("critic.zero_stage=4", "critic.zero_stage=4 must be 0, 1, 2, 3 or null"),
+    ("critic.micro_batch_size=0", "critic.micro_batch_size=0 must be >= 1 or null"),
+    ("critic.loss=nope", "critic.loss='nope': unknown value loss"),
+    ("algo.policy_loss=sft", "algo.policy_loss=sft reads no advantages"),
+])
+def test_bad_critic_settings_are_named(wired, override, message):
+    assert message in _errors(_cfg("algo.advantage_estimator=gae", override))
+
+
+def test_critic_keys_without_a_critic_are_an_error():
+    err = _errors(_cfg("critic.lr=1e-4", "critic.path=/x"))
+    assert "critic.path, critic.lr set, but algo.advantage_estimator='grpo' reads no values" in err
+
+
+def test_reuse_reason_says_what_the_critic_changes(wired):
+    d = decide_reuse(_cfg("algo.advantage_estimator=gae", "algo.reuse_logprobs=auto"))
+    assert d.reuse and "the critic of algo.advantage_estimator=gae does not change this" in d.reason
+    assert "values pass runs every step" in d.reason
+    # KL in the reward (gae folds algo.kl_coef into it) blocks reuse as for reinforce_pp.
+    d = decide_reuse(_cfg("algo.advantage_estimator=gae", "algo.kl_coef=0.01", "model.path=x"))
+    assert not d.reuse and "algo.kl_coef" in d.reason and "critic" in d.reason
+    assert "critic" not in decide_reuse(_cfg()).reason
+
+
+def test_no_critic_is_built_for_estimators_without_values():
+    from dsrl.actor.critic import build_critic
+
+    assert build_critic(_cfg(), "/nonexistent", dtype="float32", attn_implementation="eager") is None

@@ -1,0 +1,123 @@
+"""The critic's clipped value loss (dsrl.loss.value) against numbers worked out by hand: loss,
+gradient with respect to the values, clip fraction, explained variance, and the DP/microbatch
+invariance of its partial sums (two microbatches add up to the one-batch numbers)."""
+import pytest
+import torch
+
+from dsrl.loss.types import Aggregator
+from dsrl.loss.value import (VALUE_LOSSES, ValueLossInputs, finish_value_metrics, get_value_loss)
+
+F64 = torch.float64
+MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=F64)
+V = [[1.0, 0.5, -0.3, 9.0], [2.0, 0.5, 7.0, 7.0]]  # masked entries must never be read
+V_OLD = [[0.7, 0.45, 0.0, 9.0], [1.0, 0.0, 7.0, 7.0]]
+R = [[0.8, 1.0, -1.0, 5.0], [1.5, 1.0, 5.0, 5.0]]
+# By hand, value_clip = 0.2 (V_clip = V_old + clip(V - V_old, ±0.2)):
+#   row 0: t0 (1-.8)²=.04 vs (.9-.8)²=.01 -> .04;  t1 .25 vs .25 (V-V_old=.05 unclipped) -> .25;
+#          t2 (-.3+1)²=.49 vs (-.2+1)²=.64 -> .64 (clipped term wins)
+#   row 1: t0 (2-1.5)²=.25 vs (1.2-1.5)²=.09 -> .25;  t1 (.5-1)²=.25 vs (.2-1)²=.64 -> .64 (clipped)
+# per token 0.5*max = [.02, .125, .32, .125, .32]; token-mean over 5 tokens = .91 / 5 = .182.
+# d/dV (token-mean): (V - R)/5 where the unclipped term wins; 0 where the clipped one wins (V is
+# clamped there); masked tokens 0.
+EXPECTED_LOSS = 0.182
+EXPECTED_GRAD = [[0.2 / 5, -0.5 / 5, 0.0, 0.0], [0.5 / 5, 0.0, 0.0, 0.0]]
+# Explained variance over the 5 tokens: R = [.8, 1, -1, 1.5, 1], e = R - V = [-.2, .5, -.7, -.5, .5];
+# Var(R) = 5.89/5 - .66² = .7424, Var(e) = 1.28/5 - .08² = .2496.
+EXPECTED_EV = 1.0 - 0.2496 / 0.7424
+
+
+def _inputs(rows=slice(None), mode="token-mean", config=None, **counts):
+    v = torch.tensor(V, dtype=F64)[rows].clone().requires_grad_(True)
+    mask = MASK[rows]
+    # The Aggregator's weights in float64 (Aggregator.build's are float32: 1/5 would be inexact).
+    if mode == "token-mean":
+        w = torch.full((mask.shape[0],), 1.0 / counts["global_tokens"], dtype=F64)
+    else:  # seq-mean-token-mean
+        w = 1.0 / (counts["global_seqs"] * mask.sum(-1))
+    reduce = Aggregator(mask=mask, seq_weight=w)
+    batch = {"returns": torch.tensor(R, dtype=F64)[rows], "old_values": torch.tensor(V_OLD, dtype=F64)[rows]}
+    cfg = {"value_clip": 0.2, "value_loss_coef": 1.0, **(config or {})}
+    return v, ValueLossInputs(values=v, mask=mask, batch=batch, config=cfg, reduce=reduce)
+
+
+def test_clipped_value_loss_hand_computed():
+    v, inp = _inputs(global_tokens=5.0)
+    out = get_value_loss("clipped")(inp)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(EXPECTED_LOSS, abs=1e-12)
+    torch.testing.assert_close(v.grad, torch.tensor(EXPECTED_GRAD, dtype=F64), rtol=0, atol=1e-12)
+    assert out.metrics["value_clipfrac"].item() == pytest.approx(2 / 5, abs=1e-12)
+    assert out.metrics["value_loss"].item() == pytest.approx(EXPECTED_LOSS, abs=1e-12)
+    done = finish_value_metrics({k: float(x) for k, x in out.metrics.items()})
+    assert done["critic/explained_variance"] == pytest.approx(EXPECTED_EV, abs=1e-12)
+    assert done["critic/value_clipfrac"] == pytest.approx(0.4, abs=1e-12)
+    assert done["critic/values"] == pytest.approx((1.0 + 0.5 - 0.3 + 2.0 + 0.5) / 5, abs=1e-12)
+    assert done["critic/returns"] == pytest.approx(3.3 / 5, abs=1e-12)
+
+
+def test_unclipped_value_loss_and_coefficient():
+    # value_clip null: 0.5*(V-R)² = .5*[.04, .25, .49, .25, .25] -> 0.64 / 5 = .128; times coef 0.5 in the loss.
+    v, inp = _inputs(config={"value_clip": None, "value_loss_coef": 0.5}, global_tokens=5.0)
+    inp.batch.pop("old_values")  # not needed without clipping
+    out = get_value_loss("clipped")(inp)
+    out.loss.backward()
+    assert out.metrics["value_loss"].item() == pytest.approx(0.128, abs=1e-12)
+    assert out.loss.item() == pytest.approx(0.064, abs=1e-12)
+    diff = (torch.tensor(V, dtype=F64) - torch.tensor(R, dtype=F64)) * MASK
+    torch.testing.assert_close(v.grad, 0.5 * diff / 5, rtol=0, atol=1e-12)
+    assert out.metrics["value_clipfrac"].item() == 0.0
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_two_microbatches_add_up_to_one_batch(mode):
+    """The partial sums (loss, clipfrac, EV sums) of two microbatches equal the one-batch
+    values: what the trainer's sum over microbatches and ranks relies on."""
+    counts = {"global_tokens": 5.0, "global_seqs": 2.0}
+    v, inp = _inputs(mode=mode, **counts)
+    whole = get_value_loss("clipped")(inp)
+    whole.loss.backward()
+    sums, grads = {}, []
+    for b in (0, 1):
+        vb, ib = _inputs(rows=slice(b, b + 1), mode=mode, **counts)
+        out = get_value_loss("clipped")(ib)
+        out.loss.backward()
+        grads.append(vb.grad)
+        for k, x in out.metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(x)
+    torch.testing.assert_close(torch.cat(grads), v.grad, rtol=0, atol=1e-15)
+    a = finish_value_metrics(sums)
+    b = finish_value_metrics({k: float(x) for k, x in whole.metrics.items()})
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k] == pytest.approx(b[k], abs=1e-12), k
+
+
+def test_masked_nan_cannot_poison_and_empty_microbatch_stays_in_graph():
+    v, inp = _inputs(global_tokens=5.0)
+    inp.batch["returns"][0, 3] = float("nan")
+    inp.batch["old_values"][1, 3] = float("inf")
+    out = get_value_loss("clipped")(inp)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(EXPECTED_LOSS, abs=1e-12) and torch.isfinite(v.grad).all()
+    empty = torch.zeros(1, 1, dtype=F64, requires_grad=True)
+    z = torch.zeros(1, 1, dtype=F64)
+    out = get_value_loss("clipped")(ValueLossInputs(values=empty, mask=z, batch={"returns": z, "old_values": z},
+                                                    config={}, reduce=Aggregator(mask=z, seq_weight=torch.ones(1, dtype=F64))))
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and empty.grad is not None and "critic/explained_variance" not in \
+        finish_value_metrics({k: float(x) for k, x in out.metrics.items()})
+
+
+def test_inputs_are_fixed_and_missing_ones_are_named():
+    leaf = torch.tensor(R, dtype=F64, requires_grad=True)
+    v, inp = _inputs(global_tokens=5.0)
+    inp.batch["returns"] = leaf * 1.0  # a graph-carrying return must not receive gradient
+    get_value_loss("clipped")(inp).loss.backward()
+    assert leaf.grad is None and v.grad is not None
+    _, inp = _inputs(global_tokens=5.0)
+    inp.batch.pop("old_values")
+    with pytest.raises(ValueError, match="old_values"):
+        get_value_loss("clipped")(inp)
+    with pytest.raises(Exception, match="critic.loss='nope'"):
+        get_value_loss("nope")
+    assert "clipped" in VALUE_LOSSES
