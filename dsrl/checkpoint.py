@@ -42,7 +42,9 @@ _PREFIX = "step-"
 RESUME_SAFE = ("name", "logger.", "trainer.total_steps", "trainer.save_every", "trainer.keep_checkpoints",
                "trainer.resume", "trainer.resume_from", "trainer.eval_before", "trainer.eval_after",
                "trainer.save_final", "trainer.check_rank_sync", "trainer.max_skipped_steps",
-               "rollout.max_restarts", "rollout.timeout_s", "reward.timeout_s", "data.num_eval")
+               "rollout.max_restarts", "rollout.timeout_s", "reward.timeout_s", "reward.retries",
+               "reward.concurrency", "rollout.sync_probe", "rollout.sync_tolerance", "rollout.sync_bucket_mb",
+               "data.num_eval")
 
 
 def checkpoint_dir(run_dir: str, step: int) -> str:
@@ -207,10 +209,16 @@ def config_record(cfg) -> dict:
 
 def check_resume_compatible(saved: dict, saved_world: int, cfg, folder: str) -> None:
     """ConfigError naming every key whose change breaks exact resume."""
+    from dsrl.config.schema import Config
+
     now, old = _flatten(config_record(cfg)), _flatten(saved)
+    # A key the checkpoint does not know was added to dsrl after it was written: at its default
+    # (which keeps the earlier behaviour) it changes nothing.
+    defaults = _flatten(config_record(Config()))
     changed = sorted(k for k in set(now) | set(old)
                      if now.get(k) != old.get(k) and not any(k == s or (s.endswith(".") and k.startswith(s))
-                                                              for s in RESUME_SAFE))
+                                                              for s in RESUME_SAFE)
+                     and not (k not in old and k in defaults and now.get(k) == defaults[k]))
     problems = [f"{k}: {old.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in changed]
     if saved_world != world_size():
         problems.append(f"world size: {saved_world} in the checkpoint, {world_size()} now")

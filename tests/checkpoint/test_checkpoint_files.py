@@ -76,6 +76,18 @@ def test_resume_compatibility_names_breaking_keys_and_allows_harmless_ones():
     assert "trainer.total_steps" not in msg.split("(only these")[0]
 
 
+def test_keys_added_after_a_checkpoint_pass_only_at_their_default():
+    """A checkpoint written before algo.off_policy_steps existed: resuming with the key at its
+    default (the old behaviour) is exact; turning it on is a named change."""
+    saved = config_record(Config())
+    del saved["algo"]["off_policy_steps"]
+    check_resume_compatible(saved, 1, Config(), "ck")
+    cfg = Config()
+    cfg.algo = dataclasses.replace(cfg.algo, off_policy_steps=1)
+    with pytest.raises(ConfigError, match=r"algo.off_policy_steps: None in the checkpoint, 1 now"):
+        check_resume_compatible(saved, 1, cfg, "ck")
+
+
 def test_changed_config_fails_through_the_cli_before_any_model_loads(tmp_path):
     """A checkpoint of a run with other batch sizes: the real CLI refuses to resume, naming the key."""
     from hydra import compose, initialize_config_dir
