@@ -20,7 +20,7 @@ import torch
 
 from dsrl.actor.device import to_device, to_host
 from dsrl.actor.engine import _DTYPES, build_ds_config, init_distributed
-from dsrl.actor.nonfinite import any_rank, discard_gradients, local_grads_finite
+from dsrl.actor.nonfinite import guarded_step
 from dsrl.actor.shared_prompt import additive_mask, is_shared_prompt_batch
 from dsrl.loss.types import Aggregator
 from dsrl.loss.value import ValueLoss, ValueLossInputs, finish_value_metrics, get_value_loss
@@ -174,21 +174,9 @@ class CriticEngine:
     def optimizer_step(self) -> float:
         """Apply the accumulated gradient; the global grad norm before clipping. Skipped (NaN,
         `last_step_skipped`) when any rank saw a non-finite loss or gradient. Collective."""
-        self.engine.set_gradient_accumulation_boundary(True)
         bad_loss, self._nonfinite_loss = self._nonfinite_loss, False
-        self.last_step_skipped = any_rank(bad_loss or not local_grads_finite(self.engine))
-        if self.last_step_skipped:
-            discard_gradients(self.engine)
-            return float("nan")
-        pre_norm = None
-        if self.zero_stage == 0:  # DeepSpeed records the norm only for ZeRO optimizers
-            grads = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]
-            pre_norm = torch.stack(grads).norm() if grads else torch.tensor(0.0)
-        self.engine.step()
-        norm = pre_norm if pre_norm is not None else self.engine.get_global_grad_norm()
-        if norm is None:
-            return float("nan")
-        return float(norm.item() if torch.is_tensor(norm) else norm)
+        norm, self.last_step_skipped = guarded_step(self.engine, self.zero_stage, bad_loss)
+        return norm
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, folder: str) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from dsrl.actor.device import to_device, to_host
 from dsrl.actor.logprobs import token_logprobs
-from dsrl.actor.nonfinite import any_rank, discard_gradients, local_grads_finite
+from dsrl.actor.nonfinite import guarded_step
 from dsrl.actor.shared_prompt import FORWARD_KEYS, additive_mask, is_shared_prompt_batch
 from dsrl.actor.stochastic import apply_dropout_knobs
 from dsrl.distributed.ports import free_port
@@ -258,21 +258,9 @@ class ActorEngine:
         non-finite microbatch loss or holds a non-finite gradient: no update, weights and
         optimizer state untouched, gradients discarded; returns NaN. Collective."""
         self._close_accumulation_window()
-        self.engine.set_gradient_accumulation_boundary(True)
         bad_loss, self._nonfinite_loss = self._nonfinite_loss, False
-        self.last_step_skipped = any_rank(bad_loss or not local_grads_finite(self.engine))
-        if self.last_step_skipped:
-            discard_gradients(self.engine)
-            return float("nan")
-        pre_norm = None
-        if self.zero_stage == 0:  # DeepSpeed records the norm only for ZeRO optimizers
-            grads = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]
-            pre_norm = torch.stack(grads).norm() if grads else torch.tensor(0.0)
-        self.engine.step()
-        norm = pre_norm if pre_norm is not None else self.engine.get_global_grad_norm()
-        if norm is None:
-            return float("nan")
-        return float(norm.item() if torch.is_tensor(norm) else norm)
+        norm, self.last_step_skipped = guarded_step(self.engine, self.zero_stage, bad_loss)
+        return norm
 
     def set_optimizer_hparams(self, *, lr=None, betas=None, eps=None, weight_decay=None, grad_clip=None) -> None:
         """Per-request optimizer settings (Tinker `optim_step`)."""

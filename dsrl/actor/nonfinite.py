@@ -118,3 +118,23 @@ def discard_gradients(ds_engine) -> None:
     else:
         opt.zero_grad(set_to_none=True)  # also restarts its micro-step count
         opt.averaged_gradients = {}
+
+
+def guarded_step(ds_engine, zero_stage: int, bad_loss: bool) -> "tuple[float, bool]":
+    """The optimizer step of a DeepSpeed engine whose gradients are accumulated, or none when any
+    rank saw a non-finite loss (`bad_loss` on this rank) or holds a non-finite gradient: then the
+    gradients are discarded and weights and optimizer state stay as they are. Returns (global
+    gradient norm before clipping, NaN when skipped or unknown; skipped). Collective."""
+    ds_engine.set_gradient_accumulation_boundary(True)
+    if any_rank(bad_loss or not local_grads_finite(ds_engine)):
+        discard_gradients(ds_engine)
+        return float("nan"), True
+    pre_norm = None
+    if zero_stage == 0:  # DeepSpeed records the norm only for ZeRO optimizers
+        grads = [p.grad.detach().float().norm() for p in ds_engine.module.parameters() if p.grad is not None]
+        pre_norm = torch.stack(grads).norm() if grads else torch.tensor(0.0)
+    ds_engine.step()
+    norm = pre_norm if pre_norm is not None else ds_engine.get_global_grad_norm()
+    if norm is None:
+        return float("nan"), False
+    return float(norm.item() if torch.is_tensor(norm) else norm), False
