@@ -60,10 +60,10 @@ def ratio_run(block: int, blocks: int, overlap_threads: int, overrides: list) ->
                 counted = i > 0
                 if counted:
                     rows[off].append((m["timing/step"], m["timing/rollout"], m["timing/train"],
-                                      m["rollout/generation_s"], m["reward/mean"]))
+                                      m["timing/generation"], m["reward/mean"]))
                 print(f"step {step:2d} off_policy_steps={off} {'' if counted else '(transition) '}"
                       f"step={m['timing/step']:.2f}s blocked-on-rollout={m['timing/rollout']:.2f}s "
-                      f"train={m['timing/train']:.2f}s generation={m['rollout/generation_s']:.2f}s "
+                      f"train={m['timing/train']:.2f}s generation={m['timing/generation']:.2f}s "
                       f"staleness={m['rollout/staleness']:.0f} reward={m['reward/mean']:.3f}", flush=True)
         trainer.next_rollout.wait()
     finally:

@@ -260,7 +260,7 @@ class Trainer:
         sampling, its rounds and group counts over all ranks. Collective."""
         a = self.cfg.algo
         out = {"rollout/staleness": float(step - 1 - rollout.weights_step),
-               "rollout/generation_s": all_reduce_max(rollout.seconds)}
+               "timing/generation": all_reduce_max(rollout.seconds)}
         if not a.dynamic_sampling:
             return out
         kept, dropped, filler, surplus = all_reduce_sum([rollout.kept_groups, rollout.dropped_groups,
@@ -288,7 +288,7 @@ class Trainer:
     def _push_weights(self, step: int) -> dict:
         """The actor's weights after `step` into the rollout engine(s), bucketed and without disk,
         then checked on a fixed probe (dsrl.rollout.weight_sync); returns the sync's metrics
-        (rollout/sync_seconds, _bytes, _buckets, _logprob_diff). Collective: every rank."""
+        (timing/sync_seconds, rollout/sync_bytes, _buckets, _logprob_diff). Collective: every rank."""
         return self.weight_sync.push(step)
 
     # ------------------------------------------------------------------ training

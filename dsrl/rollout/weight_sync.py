@@ -118,7 +118,7 @@ class WeightSync:
         self.worker.push_weights(buckets, step)
         del buckets
         seconds = time.perf_counter() - t0
-        metrics = {"rollout/sync_seconds": all_reduce_max(seconds), "rollout/sync_bytes": float(nbytes),
+        metrics = {"timing/sync_seconds": all_reduce_max(seconds), "rollout/sync_bytes": float(nbytes),
                    "rollout/sync_buckets": float(count)}
         if self.probe:
             with self.memory.for_rollout() if self.memory is not None else contextlib.nullcontext():

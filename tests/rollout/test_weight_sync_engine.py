@@ -86,7 +86,7 @@ def test_sync_makes_engine_logprobs_match_the_trainer(actor, rw):
     assert m2["rollout/sync_logprob_diff"] < 1e-4 and m2["rollout/sync_bytes"] == n_bytes
     assert len(leftover_segments(os.getpid())) == m2["rollout/sync_buckets"]  # kept for a rebuilt engine
     print(f"\nfloat32 tiny sync: diff {m['rollout/sync_logprob_diff']:.2e} / {m2['rollout/sync_logprob_diff']:.2e}, "
-          f"{m['rollout/sync_buckets']:.0f} buckets, {m2['rollout/sync_seconds']:.3f} s")
+          f"{m['rollout/sync_buckets']:.0f} buckets, {m2['timing/sync_seconds']:.3f} s")
 
 
 def test_a_missing_bucket_trips_the_tolerance_naming_the_engine(actor, rw):

@@ -54,7 +54,7 @@ def test_next_generation_overlaps_training_and_the_push_waits_for_it(tmp_path):
     assert order == [("generated", "MainThread"), ("trained", 1), ("generated", "dsrl-rollout-step-2"), ("push", 1),
                      ("trained", 2), ("generated", "dsrl-rollout-step-3"), ("push", 2), ("trained", 3), ("push", 3)]
     assert [r["rollout/staleness"] for r in trainer.logger.history] == [0.0, 1.0, 1.0]
-    assert all(r["rollout/generation_s"] >= 0.3 for r in trainer.logger.history)
+    assert all(r["timing/generation"] >= 0.3 for r in trainer.logger.history)
 
 
 def test_synchronous_loop_has_no_staleness_and_no_thread(tmp_path):
