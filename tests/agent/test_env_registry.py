@@ -50,7 +50,7 @@ def test_factory_errors_name_the_key():
 def test_register_env_refuses_duplicates():
     @register_env("test-dummy-env")
     class Dummy:
-        pass
+        """Registered only to be registered again under the same name."""
 
     try:
         assert resolve_env("test-dummy-env") is Dummy

@@ -50,10 +50,10 @@ def test_training_that_raises_still_leaves_the_weights_awake():
 def test_disabled_does_nothing_and_bad_level_is_named():
     eng = Recorder()
     mem = EngineMemory(eng, enabled=False)
-    with mem.for_training():
-        pass
-    with mem.for_rollout():
-        pass
+    with mem.for_training() as m:
+        assert m is mem
+    with mem.for_rollout() as m:
+        assert m is mem
     assert eng.calls == []
     with pytest.raises(ValueError, match="sleep level 3"):
         EngineMemory(eng, enabled=True, level=3)
