@@ -41,6 +41,7 @@ KNOBS = {
     "bind=nobind": ({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, {}, "n"),
     "compiled (enforce_eager=False)": ({}, {"enforce_eager": False}, "n"),
     "prefix caching off": ({}, {"enable_prefix_caching": False}, "n"),
+    "KV block 32 (a group shares its prompt)": ({}, {"block_size": 32}, "n"),
     "8 requests of n=1 per prompt": ({}, {}, "split"),
     "no per-request seeds": ({}, {}, "unseeded"),
 }

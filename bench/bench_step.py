@@ -1,6 +1,7 @@
 """Whole-step time of the default job (SmolLM2, 8 prompts x 8 samples, 16 new tokens, the machine's
 auto dtype) with every speed-up on against the same job with all of them off, interleaved in one
-process, then dsrl's step against TRL's GRPOTrainer doing the same work.
+process, and TRL's GRPOTrainer doing the same work in a process of its own, its steps interleaved
+with dsrl's (A B T, T B A rounds) so that all of them see the same machine load.
 
 One trainer, one actor, two rollout engines: each step runs in one mode, the modes alternating
 ABBA; the engine not used by a step gets the new weights after it, untimed. Speed-ups:
@@ -12,9 +13,9 @@ ABBA; the engine not used by a step gets the new weights after it, untimed. Spee
   (bench/bench_rollout.py OLD_ENV / OLD_KWARGS).
 TRL runs in its own virtual environment (bench.trl_python, default /work/trl-venv/bin/python:
 `python -m venv /work/trl-venv && /work/trl-venv/bin/pip install torch==2.13.0 trl==1.16.0
-transformers==5.19.0 datasets`), after dsrl's engines are closed; absent: "TRL not installed: skipped".
+transformers==5.19.0 datasets`); absent: "TRL not installed: skipped"; bench.trl=0 leaves it out.
 
-    make bench-step [ARGS="bench.steps=6 bench.trl_steps=4 bench.budget=2048 model.dtype=float32 rollout.dtype=float32"]
+    make bench-step [ARGS="bench.steps=6 bench.budget=2048 model.dtype=float32 rollout.dtype=float32"]
     make bench-step ARGS="bench.adaptive=4"   # 4 optimizer steps per rollout: reuse_logprobs=adaptive vs off
 """
 from __future__ import annotations
@@ -129,13 +130,24 @@ def use(trainer, mode):
     trainer.steps_per_rollout = mode.steps_per_rollout
 
 
-def run_dsrl(overrides, steps, budget, adaptive=0):
+def run_dsrl(overrides, steps, budget, adaptive=0, trl=None):
+    """Rounds of one step per mode (ABBA); with `trl` (a TRLLockstep started on the first round),
+    one TRL step per round too, between dsrl's (A B T, T B A), so all three see the same load."""
     trainer, modes = build_adaptive_modes(overrides, budget, adaptive) if adaptive else build_modes(overrides, budget)
-    order = ["on", "off"]
+    order = ["on", "off", "trl"] if trl is not None else ["on", "off"]
+    trl_rows = []
     try:
+        if trl is not None:
+            trl.start(trainer.cfg.model.dtype, steps + 1)
         step = 0
-        for k in range(steps + 1):  # round 0 warms both modes up
+        for k in range(steps + 1):  # round 0 warms every mode up
             for key in (order if k % 2 == 0 else order[::-1]):
+                if key == "trl":
+                    t = trl.step()
+                    if k:
+                        trl_rows.append(t)
+                    print(f"TRL step {'(warm-up) ' if not k else ''}step={t:.2f}s", flush=True)
+                    continue
                 mode = modes[key]
                 use(trainer, mode)
                 step += 1
@@ -154,6 +166,8 @@ def run_dsrl(overrides, steps, budget, adaptive=0):
         for mode in modes.values():
             with contextlib.suppress(Exception):
                 mode.worker.close()
+        if trl is not None:
+            trl.close()
     dtype = trainer.cfg.model.dtype
     del trainer
     gc.collect()
@@ -165,6 +179,13 @@ def run_dsrl(overrides, steps, budget, adaptive=0):
         print(f"{mode.name:<8} step {med[key]['step']:.2f}s  ("
               + ", ".join(f"{p} {med[key][p]:.2f}s" for p in PHASES) + ")")
     print(f"ratio step time, {modes['on'].name} / {modes['off'].name}: {med['on']['step'] / med['off']['step']:.3f}")
+    if trl_rows:
+        trl_step = statistics.median(trl_rows)
+        print(f"\n== dsrl vs TRL {trl.version} GRPOTrainer, same work ({dtype}, 8x8 samples, 16 tokens), "
+              f"steps interleaved ==")
+        print(f"TRL step {trl_step:.2f}s (median of {len(trl_rows)}: {' '.join(f'{t:.1f}' for t in trl_rows)})")
+        print(f"dsrl step (all on) {med['on']['step']:.2f}s")
+        print(f"ratio dsrl / TRL: {med['on']['step'] / trl_step:.3f}  (issue 9 goal: <= 0.25)")
     return med["on"]["step"], dtype
 
 
@@ -177,39 +198,52 @@ def trl_prompts(n_prompts):
     return [{"messages": list(p.messages), "answer": p.answer} for p in prompts]
 
 
-def run_trl(python, steps, dtype, dsrl_step):
-    from dsrl.setup_assets import smollm2_path
+class TRLLockstep:
+    """TRL's GRPOTrainer in its own virtual environment (bench/trl_grpo_step.py), one optimizer
+    step per `step()` call: the process waits on stdin between steps."""
 
-    if not os.path.exists(python):
-        print(f"\nTRL not installed: skipped ({python} not found)")
-        return
-    out = tempfile.mkdtemp(prefix="bench_trl_")
-    spec = {"model": str(smollm2_path()), "dtype": dtype, "steps": steps + 1, "n_samples": 8, "prompts_per_step": 8,
-            "micro_batch_size": 8, "max_tokens": 16, "threads": os.cpu_count() or 2,
-            "prompts": trl_prompts(8 * (steps + 1)), "output_dir": out}
-    path = os.path.join(out, "spec.json")
-    with open(path, "w") as f:
-        json.dump(spec, f)
-    # Without dsrl's torch.distributed variables: TRL would bind this process's (still held) store port.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    proc = subprocess.run([python, os.path.join(HERE, "trl_grpo_step.py"), path], capture_output=True, text=True,
-                          env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        print(f"\nTRL run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-        return
-    res = json.loads(lines[-1])
-    times = res["step_seconds"][1:]  # the first step warms up
-    trl_step = statistics.median(times)
-    print(f"\n== dsrl vs TRL {res['trl']} GRPOTrainer, same work ({dtype}, 8x8 samples, 16 tokens) ==")
-    print(f"TRL step {trl_step:.2f}s (median of {len(times)}: {' '.join(f'{t:.1f}' for t in times)})")
-    print(f"dsrl step (all on) {dsrl_step:.2f}s")
-    print(f"ratio dsrl / TRL: {dsrl_step / trl_step:.3f}  (issue 9 goal: <= 0.25)")
+    def __init__(self, python):
+        self.python, self.proc, self.version = python, None, "?"
+
+    def start(self, dtype, steps):
+        from dsrl.setup_assets import smollm2_path
+
+        out = tempfile.mkdtemp(prefix="bench_trl_")
+        spec = {"model": str(smollm2_path()), "dtype": dtype, "steps": steps, "n_samples": 8, "prompts_per_step": 8,
+                "micro_batch_size": 8, "max_tokens": 16, "threads": os.cpu_count() or 2, "lockstep": True,
+                "prompts": trl_prompts(8 * steps), "output_dir": out}
+        path = os.path.join(out, "spec.json")
+        with open(path, "w") as f:
+            json.dump(spec, f)
+        # Without dsrl's torch.distributed variables: TRL would bind this process's (still held) store port.
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+        self.log = open(os.path.join(out, "stderr.log"), "w")
+        self.proc = subprocess.Popen([self.python, os.path.join(HERE, "trl_grpo_step.py"), path], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self.version = subprocess.run([self.python, "-c", "import trl; print(trl.__version__)"], capture_output=True,
+                                      text=True, env=env).stdout.strip() or "?"
+
+    def step(self) -> float:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith('{"step_seconds": ') and not line.startswith('{"step_seconds": ['):
+                return float(json.loads(line)["step_seconds"])
+        raise RuntimeError(f"TRL exited (rc {self.proc.wait()}); its stderr: {self.log.name}")
+
+    def close(self):
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.proc.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=60)
+            if self.proc.poll() is None:
+                self.proc.kill()
 
 
 def main(argv) -> int:
-    opts = {"steps": 4, "trl_steps": 3, "budget": 2048, "trl": 1, "adaptive": 0}
+    opts = {"steps": 4, "budget": 2048, "trl": 1, "adaptive": 0}
     trl_python = "/work/trl-venv/bin/python"
     overrides = []
     for a in argv:
@@ -226,9 +260,13 @@ def main(argv) -> int:
     from bench_rollout import machine_line
 
     print(f"machine: {machine_line()}", flush=True)
-    dsrl_step, dtype = run_dsrl(overrides, opts["steps"], opts["budget"], opts["adaptive"])
+    trl = None
     if opts["trl"] and not opts["adaptive"]:
-        run_trl(trl_python, opts["trl_steps"], dtype, dsrl_step)
+        if os.path.exists(trl_python):
+            trl = TRLLockstep(trl_python)
+        else:
+            print(f"TRL not installed: skipped ({trl_python} not found)")
+    run_dsrl(overrides, opts["steps"], opts["budget"], opts["adaptive"], trl)
     return 0
 
 

@@ -2,6 +2,9 @@
 in its own virtual environment (TRL must not change dsrl's packages), so it imports nothing from
 dsrl. Input: a JSON file {"model", "dtype", "steps", "prompts": [{"messages", "answer"}], ...};
 output: one JSON line {"step_seconds": [...], "trl": version} on stdout.
+With "lockstep": true each optimizer step first waits for a line on stdin and reports
+{"step_seconds": t} when it ends, so the caller can interleave TRL's steps with its own (both
+processes then see the same machine load).
 
 Same work as dsrl's default job: SmolLM2, 8 prompts x 8 samples per step, 16 new tokens,
 temperature 1, one optimizer step per generation (64 samples: 8 microbatches of 8), no reference
@@ -39,12 +42,18 @@ def main(spec_path: str) -> int:
 
     times = []
 
+    lockstep = bool(spec.get("lockstep"))
+
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            if lockstep and not sys.stdin.readline():  # the caller went away: stop
+                raise SystemExit(0)
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
+            if lockstep:
+                print(json.dumps({"step_seconds": times[-1]}), flush=True)
 
     n = int(spec["n_samples"])
     args = GRPOConfig(

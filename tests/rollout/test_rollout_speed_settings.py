@@ -34,6 +34,25 @@ def test_chunked_prefill_stays_off_on_cpu():
     assert cpu_llm_kwargs()["enable_chunked_prefill"] is False
 
 
+def test_default_job_prompt_spans_a_whole_kv_block(smollm2_path):
+    """Prefix caching shares whole blocks only: the n samples of a group reuse their prompt's KV in
+    the engine step that computes it only if the prompt fills at least one block (vLLM-CPU's
+    default block of 128 tokens left the default job's 43-token prompts prefilled 8 times)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from dsrl.data.registry import make_source
+    from dsrl.rollout.vllm_worker import CPU_BLOCK_SIZE
+
+    block = cpu_llm_kwargs()["block_size"]
+    assert block == CPU_BLOCK_SIZE and block % 32 == 0  # vLLM-CPU attention takes multiples of 32
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path))
+    for p in make_source("arith").sample_train(16, random.Random(0)):
+        text = tok.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False)
+        assert len(tok.encode(text, add_special_tokens=False)) >= block
+
+
 def test_bench_old_settings_are_the_pre_issue_9_ones():
     import bench_rollout
 
@@ -41,3 +60,4 @@ def test_bench_old_settings_are_the_pre_issue_9_ones():
     assert bench_rollout.OLD_KWARGS["enforce_eager"] is True
     assert bench_rollout.OLD_KWARGS["enable_prefix_caching"] is True
     assert bench_rollout.OLD_KWARGS["enable_chunked_prefill"] is False
+    assert "block_size" not in bench_rollout.OLD_KWARGS  # vLLM-CPU's default (128) before issue 9
