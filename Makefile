@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 export RAY_AUTH_MODE ?= disabled
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup train train-2rank test test-fast bench-reuse bench-train bench-dtype bench-seeds bench-logprobs bench-overlap bench-overlap-learn bench-rollout bench-step bench-sync clean-outputs
+.PHONY: setup train train-2rank test test-fast bench-reuse bench-train bench-dtype bench-seeds bench-logprobs bench-overlap bench-overlap-learn bench-rollout bench-step bench-sync bench-lora clean-outputs
 
 setup: $(STAMP)
 
@@ -47,7 +47,7 @@ bench-logprobs: setup
 bench-rollout: setup
 	$(PY) bench/bench_rollout.py $(ARGS)
 
-# Whole step, every speed-up on vs all off (interleaved), then dsrl vs TRL's GRPOTrainer (its own venv).
+# Whole step, every speed-up on vs all off, and TRL's GRPOTrainer (its own venv), steps interleaved.
 bench-step: setup
 	$(PY) bench/bench_step.py $(ARGS)
 
@@ -58,6 +58,11 @@ bench-overlap: setup
 
 bench-overlap-learn: setup
 	$(PY) bench/bench_overlap.py bench.learn=1 $(ARGS)
+
+# LoRA (actor.lora.rank=8) vs full-parameter training: step time, sync bytes, trainer peak RSS as
+# ratios (interleaved); tiny model by default, ARGS="bench.model=smollm2" for SmolLM2-135M.
+bench-lora: setup
+	$(PY) bench/bench_lora.py $(ARGS)
 
 # Weight sync through shared memory vs the old safetensors-file push, vs memcpy, 1 and 2 engines
 # (ARGS="bench.model=tiny bench.dtypes=float32 bench.rounds=3 bench.bucket_mb=256").

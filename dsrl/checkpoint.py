@@ -2,6 +2,7 @@
 
 A checkpoint is one folder `<run_dir>/checkpoints/step-NNNNNN/` holding
   deepspeed/           DeepSpeed's checkpoint (module, optimizer, scheduler; one partition per rank)
+  critic/              the critic's DeepSpeed checkpoint (algo.advantage_estimator=gae only)
   rank-R.pt            rank R's RNG states (python, numpy, torch) and its trainer state
   trainer_state.json   step, metrics so far, the resolved config, world size (rank 0)
   hf/                  the policy as a transformers folder (for use outside dsrl)
@@ -96,8 +97,9 @@ def _manifest(folder: str) -> Dict[str, int]:
 
 
 def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, rank_state: dict, shared: dict,
-                    keep: int) -> tuple[str, float]:
-    """Write the checkpoint of `step` atomically; returns (folder, seconds). Collective."""
+                    keep: int, critic=None) -> tuple[str, float]:
+    """Write the checkpoint of `step` atomically; returns (folder, seconds). Collective. `critic`
+    (algo.advantage_estimator=gae): its DeepSpeed state goes into critic/ inside the same folder."""
     t0 = time.perf_counter()
     final = checkpoint_dir(run_dir, step)
     tmp = os.path.join(run_dir, CHECKPOINTS, f".tmp-{_PREFIX}{step:06d}")
@@ -106,6 +108,8 @@ def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, rank_state: di
         os.makedirs(tmp)
     _barrier()
     actor.save_checkpoint(tmp)
+    if critic is not None:
+        critic.save_checkpoint(tmp)
     torch.save({"rng": capture_rng(), "trainer": rank_state}, os.path.join(tmp, f"rank-{global_rank()}.pt"))
     actor.save_hf(os.path.join(tmp, "hf"), tokenizer=tokenizer)  # collective (gathers under ZeRO-3)
     if global_rank() == 0:

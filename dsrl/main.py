@@ -122,6 +122,9 @@ def build(cfg_node: DictConfig, run_dir: str):
     from dsrl.actor.shared_prompt import check_shared_prompt_config
 
     check_shared_prompt_config(cfg, model_path)  # actor.shared_prompt=on where not exact: ConfigError here
+    from dsrl.actor.lora import check_targets
+
+    check_targets(cfg.actor.lora, model_path)  # actor.lora.target_modules matching no layer: ConfigError here
     source = build_source(cfg.data)
     verifier = build_verifier(cfg.reward, source)  # reward.url (a server), reward.fn, or the source's default
 
@@ -151,7 +154,8 @@ def build(cfg_node: DictConfig, run_dir: str):
 
 
 def _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir):
-    """The DeepSpeed engines (actor; reference and teacher when needed) and the Trainer."""
+    """The DeepSpeed engines (actor; reference, teacher and critic when needed) and the Trainer."""
+    from dsrl.actor.critic import build_critic
     from dsrl.actor.engine import ActorEngine
     from dsrl.config.reuse import reuse_for_model
     from dsrl.data.chat import apply_chat_template
@@ -164,7 +168,7 @@ def _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, 
                   persistence_threshold=ac.stage3_param_persistence_threshold, temperature=cfg.rollout.temperature)
     actor = ActorEngine(model_path, trainable=True, lr=ac.lr, betas=ac.betas, eps=ac.eps,
                         weight_decay=ac.weight_decay, grad_clip=ac.grad_clip, micro_batch_size=ac.micro_batch_size,
-                        gradient_checkpointing=ac.gradient_checkpointing, **common)
+                        gradient_checkpointing=ac.gradient_checkpointing, lora=ac.lora, **common)
     decision = reuse_for_model(decision, cfg, actor.module)  # the built modules, before training
     if worker is None:  # rollout.backend=hf: generates with the actor's own module where it can
         from dsrl.rollout.factory import build_rollout
@@ -172,15 +176,22 @@ def _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, 
         worker = build_rollout(cfg, model_path, run_dir, actor=actor)
     needs_ref = a.kl_coef != 0 or a.use_kl_loss
     ref = ActorEngine(model_path, trainable=False, role="ref", micro_batch_size=ac.forward_micro_batch_size,
-                      **common) if needs_ref else None
+                      **common) if needs_ref and actor.lora is None else None
+    if needs_ref and actor.lora is not None:  # actor.lora: the reference is the base, i.e. the adapter disabled
+        from dsrl.actor.lora import AdapterOffReference
+
+        ref = AdapterOffReference(actor)
     teacher = ActorEngine(resolve_model_path(m.teacher_path, cache), trainable=False, role="teacher",
                           micro_batch_size=ac.forward_micro_batch_size, **common) if a.use_opd else None
+    # algo.advantage_estimator=gae: the value model on its own DeepSpeed engine; None otherwise.
+    critic = build_critic(cfg, model_path, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                          resolve_path=lambda p: resolve_model_path(p, cache))
 
     def prompt_ids(p):
         return apply_chat_template(tokenizer, p, cfg.data.system_prompt, cfg.data.chat_template)
 
     return Trainer(cfg, actor=actor, ref=ref, teacher=teacher, worker=worker, tokenizer=tokenizer, source=source,
-                   verifier=verifier, prompt_ids_fn=prompt_ids, decision=decision, run_dir=run_dir)
+                   verifier=verifier, prompt_ids_fn=prompt_ids, decision=decision, run_dir=run_dir, critic=critic)
 
 
 def _resume_point(cfg, run_dir: str):

@@ -1,6 +1,6 @@
-"""The RL loop. One step: rollout -> reward -> scoring passes that are needed -> advantages ->
-train (objective from the loss registry) -> weight push -> track. Reads top to bottom; the
-components are built in dsrl.main and handed in."""
+"""The RL loop. One step: rollout -> reward -> scoring passes that are needed (gae: the critic's
+values) -> advantages -> train (objective from the loss registry; gae: the critic's step too) ->
+weight push -> track. Reads top to bottom; the components are built in dsrl.main and handed in."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +19,8 @@ import torch.distributed as dist
 from dsrl.checkpoint import (config_record, load_rank_state, read_shared_state, restore_rng,
                              save_checkpoint)
 from dsrl.actor.batch import Sample, empty_microbatch, masked_rows
+from dsrl.agent.masks import model_tokens, response_loss_mask
+from dsrl.agent.rollout import generate_episode_samples, mean_episode_metrics
 from dsrl.actor.nonfinite import SkipCounter, TrainingDiverged
 from dsrl.actor.reuse_probe import judge, max_mismatch, mismatch_sums, missing_rollout_log_probs, probe_indices
 from dsrl.actor.packing import padded_tokens, plan_microbatches
@@ -45,7 +47,10 @@ from dsrl.rollout.weight_sync import WeightSync
 from dsrl.tracking import MetricsLogger, PhaseTimer, microbatch_bar, plot_run
 
 log = logging.getLogger("dsrl")
-PHASES = ("rollout", "old_logprobs", "ref_logprobs", "teacher_logprobs", "train", "weight_sync")
+PHASES = ("rollout", "old_logprobs", "ref_logprobs", "teacher_logprobs", "critic_values", "critic_train", "train",
+          "weight_sync")
+# algo.advantage_estimator=gae: the critic's own per-token inputs to its value loss (dsrl.loss.value).
+CRITIC_FIELDS = ("returns", "old_values")
 # Per-token fixed inputs carried from the scoring passes / advantages into the microbatches.
 TOKEN_FIELDS = ("old_log_probs", "ref_log_probs", "advantages", "opd_reverse_kl")
 # Objective metrics that are global sums (not means over trained samples).
@@ -71,13 +76,15 @@ class StepCounts(NamedTuple):
 
 class Trainer:
     def __init__(self, cfg: Config, *, actor, ref, worker, tokenizer, source, verifier, prompt_ids_fn,
-                 decision: ReuseDecision, run_dir: str, teacher=None):
+                 decision: ReuseDecision, run_dir: str, teacher=None, critic=None):
         self.cfg, self.actor, self.ref, self.teacher, self.worker = cfg, actor, ref, teacher, worker
+        self.critic = critic  # gae's value model (dsrl.actor.critic.CriticEngine); None for every other estimator
         self.tokenizer, self.source, self.verifier, self.prompt_ids = tokenizer, source, verifier, prompt_ids_fn
         self.decision, self.run_dir = decision, run_dir
         # Raises/hangs: reward 0, counted; up to reward.concurrency calls in flight.
         self.verifier = RewardGuard.wrap(verifier, cfg.reward.timeout_s, cfg.reward.concurrency)
         self.skips = SkipCounter(cfg.trainer.max_skipped_steps)  # non-finite optimizer steps
+        self.critic_skips = SkipCounter(cfg.trainer.max_skipped_steps)  # the critic's, counted apart
         self.algo = dataclasses.asdict(cfg.algo)
         self.objective = get_objective(cfg.algo.policy_loss)
         self.objective_config = objective_config(self.objective, self.algo, cfg.algo.loss_fn_config)
@@ -148,8 +155,9 @@ class Trainer:
         """Checkpoint the state after `step` (collective); returns its folder."""
         folder, seconds = save_checkpoint(
             self.run_dir, step, actor=self.actor, tokenizer=self.tokenizer, keep=self.cfg.trainer.keep_checkpoints,
+            **({"critic": self.critic} if self.critic is not None else {}),  # gae: the critic's DeepSpeed state
             rank_state={"prompt_rng": self.rng.getstate(), "skips": self.skips.state_dict(),
-                        "next_rollout": self._next_rollout_state()},
+                        "critic_skips": self.critic_skips.state_dict(), "next_rollout": self._next_rollout_state()},
             shared={"metrics": self.logger.history, "config": config_record(self.cfg)})
         if is_main_rank():
             log.info("checkpoint of step %d: %s (%.1f s)", step, folder, seconds)
@@ -160,10 +168,14 @@ class Trainer:
         rollout engine gets the restored weights. Returns the checkpoint's step."""
         shared = read_shared_state(folder)
         self.actor.load_checkpoint(folder)
+        if self.critic is not None:
+            self.critic.load_checkpoint(folder)
         state = load_rank_state(folder)
         restore_rng(state["rng"])
         self.rng.setstate(state["trainer"]["prompt_rng"])
         self.skips.load_state_dict(state["trainer"]["skips"])
+        if "critic_skips" in state["trainer"]:
+            self.critic_skips.load_state_dict(state["trainer"]["critic_skips"])
         self._restore_next_rollout(state["trainer"].get("next_rollout"))
         self.logger.restore(shared["metrics"])
         self.start_step = int(shared["step"])
@@ -234,9 +246,20 @@ class Trainer:
         cfg, a = self.cfg, self.cfg.algo
         t0 = time.perf_counter()
         first_prompt = global_rank() * self.prompts_per_rank
+        episodes: List[tuple] = []  # rollout.env: (episodes, agent metrics) of each round
 
         def generate_round(sampling_round: int, count: int) -> List[Sample]:
             prompts = self.source.sample_train(count, self.rng)
+            if cfg.rollout.env:  # multi-turn episodes: the environment writes the prompts and gives the rewards
+                r = cfg.rollout
+                seeds = request_seeds(r.seed, step, first_prompt, len(prompts), sampling_round)
+                samples, agent_metrics = generate_episode_samples(
+                    self.worker, self.tokenizer, prompts, env=r.env, env_kwargs=r.env_kwargs,
+                    n=a.n_samples_per_prompt, max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens,
+                    max_turn_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, seeds=seeds,
+                    max_context=r.max_model_len, show_progress=show_progress)
+                episodes.append((len(samples), agent_metrics))
+                return samples
             ids = [self.prompt_ids(p) for p in prompts]
             seeds = request_seeds(cfg.rollout.seed, step, first_prompt, len(ids), sampling_round)
             return generate_samples(self.worker, ids, prompts, self.verifier, n=a.n_samples_per_prompt,
@@ -253,6 +276,7 @@ class Trainer:
             for name, value in (pop() if pop is not None else {}).items():
                 out.fault_counts[name] = out.fault_counts.get(name, 0.0) + float(value)
         out.source_metrics = source_metrics(self.source)
+        out.source_metrics.update(mean_episode_metrics(episodes))  # agent/*: this rank's episodes, every round
         return out
 
     def _rollout_metrics(self, step: int, rollout: Rollout) -> dict:
@@ -293,9 +317,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def train_on(self, samples: List[Sample]) -> dict:
-        """Scoring passes that are needed -> advantages -> optimizer step(s) on `samples`."""
+        """Scoring passes that are needed -> advantages -> optimizer step(s) on `samples`. With a
+        critic (algo.advantage_estimator=gae): its values pass before the advantages, and per
+        optimizer step a critic step (value loss, own engine) before the actor's."""
         data = {"rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
-                "loss_mask": [torch.ones(len(s.response_ids)) for s in samples],
+                "loss_mask": [response_loss_mask(s) for s in samples],  # model tokens (episodes: env tokens 0)
                 "group_ids": torch.tensor([s.group for s in samples]),
                 "rollout_log_probs": [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]}
         # Reuse is only exact for one optimizer step on rollout data without actor log-probs:
@@ -319,22 +345,32 @@ class Trainer:
         if self.teacher is not None:
             with self.timer.phase("teacher_logprobs"):
                 data["teacher_log_probs"] = self._score(self.teacher, samples, "teacher forward")
+        if self.critic is not None:  # gae: V before either model trains (never skipped, whatever the reuse)
+            with self.timer.phase("critic_values"):
+                data["values"] = self._critic_values(samples)
 
-        compute_advantages(data, self.algo)  # detach boundary first, then the estimator
+        compute_advantages(data, self.algo)  # detach boundary first, then the estimator (gae: returns = A + V)
         token_fields = {k: list(data[k]) for k in TOKEN_FIELDS if k in data}
         keep = self._trained_samples(data["advantages"])
 
         metrics: dict = {}
-        with self.timer.phase("train"):
-            per_step = len(samples) // self.steps_per_rollout
-            for k in range(self.steps_per_rollout):
-                lo, hi = k * per_step, (k + 1) * per_step
+        per_step = len(samples) // self.steps_per_rollout
+        for k in range(self.steps_per_rollout):
+            lo, hi = k * per_step, (k + 1) * per_step
+            m = {}
+            if self.critic is not None:  # every sample: a zero advantage is no zero value loss
+                with self.timer.phase("critic_train"):
+                    m.update(self._critic_step(samples[lo:hi], {"returns": list(data["returns"])[lo:hi],
+                                                                "old_values": list(data["values"])[lo:hi]}))
+            with self.timer.phase("train"):
                 idx = [i for i in keep if lo <= i < hi]
-                m = self._optimizer_step([samples[i] for i in idx],
-                                         {n: [v[i] for i in idx] for n, v in token_fields.items()},
-                                         all_samples=samples[lo:hi])
-                for n, v in m.items():
-                    metrics[n] = metrics.get(n, 0.0) + v / self.steps_per_rollout
+                m.update(self._optimizer_step([samples[i] for i in idx],
+                                              {n: [v[i] for i in idx] for n, v in token_fields.items()},
+                                              all_samples=samples[lo:hi]))
+            for n, v in m.items():
+                metrics[n] = metrics.get(n, 0.0) + v / self.steps_per_rollout
+        if self.critic is not None:
+            metrics["critic/skipped_steps"] = float(self.critic_skips.total)
         metrics.update(reuse_metrics)
         return metrics
 
@@ -380,8 +416,43 @@ class Trainer:
             scored = engine.score(mbs, progress=bar)
         out = []
         for mb, lp in zip(mbs, scored):
-            out.extend(masked_rows(lp, mb["loss_mask"]))
+            out.extend(masked_rows(lp, mb["response_mask"]))  # one value per response token (env ones 0)
         return out
+
+    # ------------------------------------------------------------------ the critic (algo.advantage_estimator=gae)
+    def _critic_micro_batch_size(self) -> int:
+        return self.cfg.critic.micro_batch_size or self.cfg.actor.micro_batch_size
+
+    def _critic_values(self, samples: List[Sample]) -> list:
+        """The critic's value at each response token, one 1-D tensor per sample (dense layout, in
+        order): GAE's V and the value loss's V_old."""
+        mbs = pack_microbatches(samples, self._critic_micro_batch_size(), self.pad_id)
+        with microbatch_bar(len(mbs), "critic forward", enabled=self.cfg.logger.progress) as bar:
+            values = self.critic.values(mbs, progress=bar)
+        out = []
+        for mb, v in zip(mbs, values):  # one value per response token (0 off the loss mask)
+            out.extend(masked_rows(v, mb.get("response_mask", mb["loss_mask"])))
+        return out
+
+    def _critic_step(self, samples: List[Sample], fields: dict) -> dict:
+        """One critic optimizer step on `samples` (returns, old_values per token), normalized by
+        the step's global counts like the policy loss (algo.loss_agg_mode); every rank runs the
+        same number of microbatches. A non-finite step is skipped and counted (critic/skipped_steps);
+        trainer.max_skipped_steps in a row stop the run (TrainingDiverged)."""
+        a = self.cfg.algo
+        tokens, seqs = all_reduce_sum([sum(len(s.response_ids) for s in samples), len(samples)])
+        mbs = pack_microbatches(samples, self._critic_micro_batch_size(), self.pad_id, fields) if samples else []
+        n_mb = max(1, int(all_reduce_max(len(mbs))))
+        while len(mbs) < n_mb:
+            mbs.append(empty_microbatch(self.pad_id, CRITIC_FIELDS))
+
+        def reduce_for(mb: dict) -> Aggregator:
+            return Aggregator.build(a.loss_agg_mode, mb["loss_mask"], global_tokens=tokens, global_seqs=seqs,
+                                    norm_len=float(self.cfg.rollout.max_new_tokens))
+
+        metrics = self.critic.train_step(mbs, self.algo, reduce_for, loss=self.cfg.critic.loss)
+        self.critic_skips.record(self.critic.last_step_skipped)
+        return metrics
 
     def _optimizer_step(self, samples: List[Sample], token_fields: dict, *, all_samples: List[Sample]) -> dict:
         """One optimizer step: every microbatch of `samples` forward/backward, then the step.
@@ -402,8 +473,8 @@ class Trainer:
         plan = plan_microbatches(samples, micro_batch_size=ac.micro_batch_size, max_tokens=ac.max_tokens_per_microbatch,
                                  shared_prompt=engine_uses_shared_prompt(self.cfg, self.actor))
         tokens, seqs, trained_tokens, trained_seqs, n_mb = all_reduce_sum(
-            [sum(len(s.response_ids) for s in all_samples), len(all_samples),
-             sum(len(s.response_ids) for s in samples), len(samples), len(plan)])
+            [sum(model_tokens(s) for s in all_samples), len(all_samples),  # token-mean counts model tokens only
+             sum(model_tokens(s) for s in samples), len(samples), len(plan)])
         return StepCounts(tokens, seqs, trained_tokens, trained_seqs, n_mb)
 
     def _microbatches(self, samples: List[Sample], token_fields: dict) -> List[dict]:

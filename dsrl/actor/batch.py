@@ -10,17 +10,20 @@ from typing import Optional, Sequence
 
 import torch
 
+from dsrl.agent.masks import response_loss_mask
+
+
 @dataclass
 class Sample:
     prompt_ids: list  # token ids of the (templated) prompt
-    response_ids: list  # sampled completion token ids
-    rollout_log_probs: list  # sampling log-prob of each response token (from vLLM)
+    response_ids: list  # sampled completion token ids (an episode: model and environment tokens)
+    rollout_log_probs: list  # sampling log-prob of each response token (from vLLM; 0.0 on env tokens)
     group: int  # prompt index within the step (GRPO group id)
     index: int = 0  # global sample index within the step
     reward: float = 0.0
     finish_reason: str = ""
     text: str = ""  # decoded completion
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # an episode's extra["model_mask"] is its loss mask
 
 
 def collate(samples: Sequence[Sample], pad_id: int, token_fields: Optional[dict] = None) -> dict:
@@ -28,13 +31,16 @@ def collate(samples: Sequence[Sample], pad_id: int, token_fields: Optional[dict]
 
     token_fields: name -> list (one per sample) of per-response-token tensors of length
     len(response_ids); they are scattered to the response columns. rollout log-probs come from
-    the samples themselves."""
+    the samples themselves. `loss_mask` is 1 on the tokens the model sampled (an episode's
+    environment tokens are 0: dsrl.agent.masks), `response_mask` on every response token (the
+    columns per-response-token fields occupy: scored rows are read back under it)."""
     lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     T = max(lens)
     B = len(samples)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((B, T), dtype=torch.long)
     loss_mask = torch.zeros((B, T - 1), dtype=torch.float32)
+    response_mask = torch.zeros((B, T - 1), dtype=torch.float32)
     out = {name: torch.zeros((B, T - 1), dtype=torch.float32) for name in (token_fields or {})}
     rollout_lp = torch.zeros((B, T - 1), dtype=torch.float32)
     for b, s in enumerate(samples):
@@ -43,7 +49,8 @@ def collate(samples: Sequence[Sample], pad_id: int, token_fields: Optional[dict]
             raise ValueError(f"sample {s.index}: empty prompt")
         input_ids[b, : P + R] = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
         attention_mask[b, : P + R] = 1
-        loss_mask[b, P - 1: P - 1 + R] = 1.0
+        loss_mask[b, P - 1: P - 1 + R] = response_loss_mask(s)
+        response_mask[b, P - 1: P - 1 + R] = 1.0
         if R:
             rollout_lp[b, P - 1: P - 1 + R] = torch.as_tensor(s.rollout_log_probs, dtype=torch.float32)
         for name, per_sample in (token_fields or {}).items():
@@ -55,6 +62,7 @@ def collate(samples: Sequence[Sample], pad_id: int, token_fields: Optional[dict]
         "attention_mask": attention_mask,
         "targets": input_ids[:, 1:].clone(),
         "loss_mask": loss_mask,
+        "response_mask": response_mask,
         "rollout_log_probs": rollout_lp,
         "sample_indices": [s.index for s in samples],
     }
@@ -70,6 +78,7 @@ def empty_microbatch(pad_id: int, fields=()) -> dict:
           "attention_mask": torch.tensor([[1, 0]], dtype=torch.long),
           "targets": torch.full((1, 1), pad_id, dtype=torch.long),
           "loss_mask": torch.zeros((1, 1), dtype=torch.float32),
+          "response_mask": torch.zeros((1, 1), dtype=torch.float32),
           "sample_indices": [-1]}
     for name in fields:
         mb[name] = torch.zeros((1, 1), dtype=torch.float32)
@@ -77,6 +86,7 @@ def empty_microbatch(pad_id: int, fields=()) -> dict:
 
 
 def masked_rows(values: torch.Tensor, mask: torch.Tensor) -> list:
-    """Inverse of collate for one per-token field: each row's values under its loss mask."""
+    """Inverse of collate for one per-token field: each row's values under `mask` (the
+    microbatch's response_mask gives one value per response token)."""
     keep = mask.bool()
     return [values[b][keep[b]] for b in range(values.shape[0])]

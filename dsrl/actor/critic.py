@@ -200,16 +200,18 @@ class CriticEngine:
             yield
 
 
-def build_critic(cfg, model_path: str, *, dtype: str, attn_implementation: str) -> Optional[CriticEngine]:
+def build_critic(cfg, model_path: str, *, dtype: str, attn_implementation: str,
+                 resolve_path: Callable[[str], str] = str) -> Optional[CriticEngine]:
     """The critic of `cfg` (Config), or None when algo.advantage_estimator reads no values.
-    `model_path`/`dtype`/`attn_implementation`: the actor's resolved ones (critic.path overrides
-    the path)."""
+    `model_path`/`dtype`/`attn_implementation`: the actor's resolved ones; critic.path, when set,
+    overrides the path after `resolve_path` (dsrl.main: a model name such as smollm2 -> its folder)."""
     from dsrl.loss.registry import get_advantage_estimator
 
     if not getattr(get_advantage_estimator(cfg.algo.advantage_estimator), "needs_values", False):
         return None
     c, a = cfg.critic, cfg.actor
-    return CriticEngine(c.path or model_path, zero_stage=a.zero_stage if c.zero_stage is None else c.zero_stage,
+    path = resolve_path(c.path) if c.path else model_path
+    return CriticEngine(path, zero_stage=a.zero_stage if c.zero_stage is None else c.zero_stage,
                         dtype=dtype, attn_implementation=attn_implementation, lr=c.lr, betas=a.betas, eps=a.eps,
                         weight_decay=c.weight_decay, grad_clip=c.grad_clip,
                         micro_batch_size=c.micro_batch_size or a.micro_batch_size,

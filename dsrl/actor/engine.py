@@ -28,6 +28,7 @@ from dsrl.loss.registry import ObjectiveSpec
 from dsrl.loss.types import Aggregator, LossInputs, LossOutput
 
 _DS_TAG = "deepspeed"  # sub-folder of a dsrl checkpoint holding DeepSpeed's files
+LORA_ADAPTER_DIR = "adapter"  # actor.lora: sub-folder of a saved HF folder holding the PEFT adapter
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -87,14 +88,16 @@ def build_ds_config(zero_stage: int, micro_batch_size: int, *, dtype: str = "flo
 
 class ActorEngine:
     """A DeepSpeed-wrapped causal LM. `trainable=False` builds a frozen scorer (reference or
-    teacher) on its own DeepSpeed engine without an optimizer."""
+    teacher) on its own DeepSpeed engine without an optimizer. `lora` (actor.lora, rank > 0):
+    a PEFT adapter is the only trained part; exports and saves give merged HF weights (dsrl.actor.lora)."""
 
     def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "float32",
                  attn_implementation: str = "eager", attention_dropout: float = 0.0,
                  hidden_dropout: float = 0.0, trainable: bool = True, lr: float = 1e-5,
                  betas: Iterable[float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, micro_batch_size: int = 8, gradient_checkpointing: bool = False,
-                 persistence_threshold: int = 10000, temperature: float = 1.0, role: str = "actor"):
+                 persistence_threshold: int = 10000, temperature: float = 1.0, role: str = "actor",
+                 lora=None):
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -135,11 +138,17 @@ class ActorEngine:
         if gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
+        # actor.lora.rank > 0: a PEFT adapter before DeepSpeed wraps the model; only it trains (dsrl.actor.lora).
+        from dsrl.actor.lora import apply_lora, lora_enabled
+
+        self.lora = lora if trainable and lora_enabled(lora) else None
+        if self.lora is not None:
+            model = apply_lora(model, self.lora)
         self.hf_config = model.config
         if trainable:
             model.train()
-            optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=eps,
-                                          weight_decay=weight_decay)
+            trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapter only
+            optimizer = torch.optim.AdamW(trained, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
             self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                      config=ds_config)
         else:
@@ -315,8 +324,10 @@ class ActorEngine:
         apply there. Below ZeRO-3, `copy=False` yields the live parameters without copying (the
         weight sync packs them into its buffers at once). `device=None` keeps each tensor on its
         parameter's device (CUDA IPC). Collective under ZeRO-3: every rank must iterate it to the end."""
+        from dsrl.actor.lora import hf_name, merge_group, scaling
+
         tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
-        named = [(n, p) for n, p in self.module.named_parameters() if not (tied and n == "lm_head.weight")]
+        named = [(n, p) for n, p in self.module.named_parameters() if not (tied and hf_name(n) == "lm_head.weight")]
         seen = set()
 
         def out(t: torch.Tensor, force_copy: bool) -> torch.Tensor:
@@ -333,11 +344,14 @@ class ActorEngine:
                     tensors = [(n, out(p, True)) for n, p in group]
             else:
                 tensors = [(n, out(p, False)) for n, p in group]
+            if self.lora is not None:  # HF names, each adapter merged into its base weight
+                tensors = merge_group(tensors, scaling(self.module))
             for n, t in tensors:
                 seen.add(n)
                 yield n, t
             del tensors
         for name, buf in self.module.named_buffers():
+            name = hf_name(name)
             if "rotary" in name or "inv_freq" in name or name in seen:
                 continue
             seen.add(name)
@@ -362,8 +376,19 @@ class ActorEngine:
                 gen.save_pretrained(out_dir)
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
+        if self.lora is not None:  # the weights above are merged; the adapter alone beside them
+            self.save_adapter(os.path.join(out_dir, LORA_ADAPTER_DIR))
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
+
+    def save_adapter(self, folder: str) -> None:
+        """The LoRA adapter as a PEFT folder (PeftModel.from_pretrained / vLLM load it), from rank 0.
+        Collective under ZeRO-3."""
+        from dsrl.actor.lora import adapter_config_dict, adapter_state, write_adapter
+
+        state = adapter_state(self)
+        if (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0) == 0:
+            write_adapter(folder, state, adapter_config_dict(self.module))
 
 
 def _layer_groups(named: list) -> list:

@@ -24,6 +24,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import torch
 
 from dsrl.actor.batch import Sample
+from dsrl.agent.masks import response_loss_mask
 
 log = logging.getLogger("dsrl")
 
@@ -120,7 +121,8 @@ def collate_shared_prompt(samples: Sequence[Sample], pad_id: int, token_fields: 
     """Pack samples into one shared-prompt microbatch (see the module docstring).
 
     token_fields: name -> list (one per sample) of per-response-token tensors, placed
-    response-aligned like the log-probs."""
+    response-aligned like the log-probs. `loss_mask` / `response_mask` as in
+    dsrl.actor.batch.collate (model tokens / every response token)."""
     if not samples:
         raise ValueError("collate_shared_prompt needs at least one sample")
     runs = prompt_runs(samples)
@@ -139,6 +141,7 @@ def collate_shared_prompt(samples: Sequence[Sample], pad_id: int, token_fields: 
     logit_index = torch.zeros((B, R), dtype=torch.long)
     targets = torch.full((B, R), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((B, R), dtype=torch.float32)
+    response_mask = torch.zeros((B, R), dtype=torch.float32)
     rollout_lp = torch.zeros((B, R), dtype=torch.float32)
     fields = {name: torch.zeros((B, R), dtype=torch.float32) for name in (token_fields or {})}
     for g, run in enumerate(runs):
@@ -164,7 +167,8 @@ def collate_shared_prompt(samples: Sequence[Sample], pad_id: int, token_fields: 
                 pos[1:n] = torch.arange(start, end - 1)
                 logit_index[b] = g * K + (pos - keep_from)
                 targets[b, :n] = torch.tensor(resp, dtype=torch.long)
-                loss_mask[b, :n] = 1.0
+                loss_mask[b, :n] = response_loss_mask(s)
+                response_mask[b, :n] = 1.0
                 rollout_lp[b, :n] = torch.as_tensor(s.rollout_log_probs, dtype=torch.float32)
                 for name, per_sample in (token_fields or {}).items():
                     v = per_sample[b]
@@ -184,6 +188,7 @@ def collate_shared_prompt(samples: Sequence[Sample], pad_id: int, token_fields: 
         "token_count": sum(row_length(samples, r) for r in runs),
         "targets": targets,
         "loss_mask": loss_mask,
+        "response_mask": response_mask,
         "rollout_log_probs": rollout_lp,
         "sample_indices": [s.index for s in samples],
     }

@@ -4,18 +4,32 @@ anything heavy loads. dsrl/config/validate.py calls `check_agent_config(cfg)` an
 returned errors (each names its key); an empty `rollout.env` (single-turn GRPO) returns none.
 
 What applies per episode: group advantage estimators (grpo, dr_grpo, rloo, reinforce_pp ...)
-take the episode's reward (the sum of its turn rewards); training log-prob reuse and TIS work
-unchanged, because they act per token under the loss mask, which is the model mask. What does
-not apply is rejected here by name."""
+take the episode's reward (the sum of its turn rewards); training log-prob reuse (on/auto), TIS,
+KL and OPD work unchanged, because they act per token under the loss mask, which is the model
+mask; both rollout backends (vllm, hf) take token-id prompts and return sampling log-probs.
+What does not apply is rejected here by name: GAE, reinforce_pp with gamma < 1, adaptive reuse,
+the single-turn greedy evaluation, reward.fn/url, data.chat_template=false, data.system_prompt."""
 from __future__ import annotations
 
 from typing import Any, List
 
 from dsrl.registry import PluginError
 
-# Options that assume one completion per prompt, or that the runner does not implement yet.
+# Options with values that do not apply to episodes: key -> the values that do.
 _UNSUPPORTED = {
-    "rollout.backend": ("vllm",),  # the runner needs the vLLM worker's token-id prompts and log-probs
+    # adaptive's probe averages the trainer-vs-rollout mismatch over response tokens, environment
+    # tokens (0 vs 0) included: its threshold would be diluted by them.
+    "algo.reuse_logprobs": ("off", "on", "auto"),
+}
+# Booleans that must be off: key -> why.
+_MUST_BE_OFF = {
+    "trainer.eval_before": "the greedy evaluation is single-turn (data prompts + reward verifier, no environment)",
+    "trainer.eval_after": "the greedy evaluation is single-turn (data prompts + reward verifier, no environment)",
+}
+# Keys that must stay unset: key -> why.
+_MUST_BE_UNSET = {
+    "reward.fn": "episode rewards come from the environment (e.g. rollout.env_kwargs.verifier for calculator)",
+    "reward.url": "episode rewards come from the environment, not a reward server",
 }
 
 
@@ -48,6 +62,11 @@ def check_agent_config(cfg: Any) -> List[str]:
         errors.append(f"algo.advantage_estimator=gae does not apply to multi-turn episodes yet (rollout.env={name!r}): "
                       f"its per-token recursion would run through environment tokens; use a group estimator "
                       f"(grpo, dr_grpo, rloo, ...), which takes one reward per episode")
+    gamma = getattr(getattr(cfg, "algo", None), "gamma", 1.0)
+    if estimator == "reinforce_pp" and gamma is not None and gamma < 1.0:
+        errors.append(f"algo.gamma={gamma} < 1 with algo.advantage_estimator=reinforce_pp does not apply to "
+                      f"multi-turn episodes (rollout.env={name!r}): the discount would count environment tokens "
+                      f"as steps; use algo.gamma=1")
     data = getattr(cfg, "data", None)
     if data is not None and getattr(data, "chat_template", True) is False:
         errors.append(f"data.chat_template=false: multi-turn episodes (rollout.env={name!r}) render turns through "
@@ -56,9 +75,21 @@ def check_agent_config(cfg: Any) -> List[str]:
         errors.append(f"data.system_prompt is not used with rollout.env={name!r}: the environment writes the first "
                       f"observation (e.g. rollout.env_kwargs.system_prompt for calculator)")
     for key, allowed in _UNSUPPORTED.items():
-        section, field = key.split(".")
-        value = getattr(getattr(cfg, section), field, None)
+        value = _get(cfg, key)
         if value is not None and value not in allowed:
             errors.append(f"{key}={value!r} does not apply to multi-turn episodes (rollout.env={name!r}); "
                           f"use {' | '.join(allowed)}")
+    for key, why in _MUST_BE_OFF.items():
+        if _get(cfg, key):
+            errors.append(f"{key}=true does not apply to multi-turn episodes (rollout.env={name!r}): {why}; "
+                          f"set {key}=false (agent/reward is the per-step episode reward)")
+    for key, why in _MUST_BE_UNSET.items():
+        if _get(cfg, key):
+            errors.append(f"{key}={_get(cfg, key)!r} is not used with rollout.env={name!r}: {why}")
     return errors
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    """cfg's value at `a.b`, None where a section or field is missing (partial configs in tests)."""
+    section, field = dotted.split(".")
+    return getattr(getattr(cfg, section, None), field, None)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
 
-import torch
-
 from dsrl.actor.batch import Sample
 from dsrl.agent.env import make_env
 from dsrl.agent.episodes import episode_metrics, run_episodes, trajectories_to_samples
+from dsrl.agent.masks import model_tokens, response_loss_mask  # noqa: F401  (re-exported for the trainer)
 
 EPISODE_SEED_STRIDE = 256  # seeds per episode: max_turns <= 256, n_samples_per_prompt <= 256 (2^16 per prompt)
 
@@ -46,13 +45,10 @@ def generate_episode_samples(worker, tokenizer, prompts: Sequence[Any], *, env: 
     return trajectories_to_samples(trajs, groups, tokenizer, index_offset), episode_metrics(trajs)
 
 
-def response_loss_mask(sample: Sample) -> torch.Tensor:
-    """The per-response-token loss mask of a sample: its model mask (1 = model token, 0 =
-    environment token) for an episode, all ones for a single-turn completion."""
-    mask = sample.extra.get("model_mask") if sample.extra else None
-    if mask is None:
-        return torch.ones(len(sample.response_ids), dtype=torch.float32)
-    if len(mask) != len(sample.response_ids):
-        raise ValueError(f"sample {sample.index}: model_mask has {len(mask)} entries for "
-                         f"{len(sample.response_ids)} response tokens")
-    return torch.as_tensor(mask, dtype=torch.float32)
+def mean_episode_metrics(rounds) -> dict:
+    """The agent/* metrics of one step's rollout rounds [(episodes, metrics), ...] (dynamic
+    sampling may run several): their means weighted by each round's episode count."""
+    total = sum(n for n, _ in rounds)
+    if total == 0:
+        return {}
+    return {k: sum(n * m.get(k, 0.0) for n, m in rounds) / total for k in rounds[0][1]}

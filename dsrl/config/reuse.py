@@ -65,6 +65,7 @@ def reuse_blockers(cfg: Config) -> List[str]:
     checks = (
         ("model.attention_dropout", m.attention_dropout != 0),
         ("model.hidden_dropout", m.hidden_dropout != 0),
+        ("actor.lora.dropout", cfg.actor.lora.rank > 0 and cfg.actor.lora.dropout != 0),  # LoRA input dropout
         ("algo.kl_coef", a.kl_coef != 0),
         ("algo.keep_old_actor", a.keep_old_actor),
         ("algo.use_opd", a.use_opd),
@@ -191,7 +192,11 @@ def critic_note(cfg: Config) -> str:
 def decide_reuse(cfg: Config) -> ReuseDecision:
     """The decision from the dsrl config alone (no model needed), its reason saying what a
     critic changes (critic_note)."""
-    d = _config_decision(cfg)
+    return _with_critic_note(_config_decision(cfg), cfg)
+
+
+def _with_critic_note(d: ReuseDecision, cfg: Config) -> ReuseDecision:
+    """`d` with its reason saying what a critic changes (the run log prints the reason)."""
     note = critic_note(cfg)
     return dataclasses.replace(d, reason=d.reason + note) if note else d
 
@@ -232,9 +237,9 @@ def _with_model_blockers(decision: ReuseDecision, cfg: Config, blockers: List[st
         raise ConfigError("algo.reuse_logprobs=on is incompatible with the model: "
                           + ", ".join(blockers) + f" ({why}, or use algo.reuse_logprobs=auto)")
     if cfg.algo.reuse_logprobs == "adaptive":  # no exact reuse: fall back to the probe-guarded one
-        return _adaptive_fallback(cfg, blockers)
-    return ReuseDecision(False, "reuse_logprobs=auto: standalone old-policy pass runs because of "
-                         + ", ".join(blockers), run_old_pass=_run_old_pass_without_reuse(cfg))
+        return _with_critic_note(_adaptive_fallback(cfg, blockers), cfg)
+    return _with_critic_note(ReuseDecision(False, "reuse_logprobs=auto: standalone old-policy pass runs because of "
+                                           + ", ".join(blockers), run_old_pass=_run_old_pass_without_reuse(cfg)), cfg)
 
 
 def reuse_for_model_config(decision: ReuseDecision, cfg: Config, model_path: str) -> ReuseDecision:

@@ -28,6 +28,21 @@ class ModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    # LoRA rank of the actor's adapter; 0 = off (full-parameter training). >0: only the PEFT adapter
+    # trains (ZeRO 0-3) and only it is synced to vLLM (dsrl/actor/lora.py, dsrl/rollout/lora_sync.py).
+    rank: int = 0
+    # LoRA alpha: the adapter's update is scaled by alpha / rank.
+    alpha: float = 16.0
+    # Module names (PEFT matching: a name or a suffix of one) that get an adapter: Linear layers of the
+    # decoder blocks; lm_head / embed_tokens are not supported (vLLM's LoRA, tied head).
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                          "gate_proj", "up_proj", "down_proj"])
+    # Dropout on the adapter's input; must be 0 under log-prob reuse (it makes the forward random).
+    dropout: float = 0.0
+
+
+@dataclass
 class ActorConfig:
     # DeepSpeed ZeRO stage, 0-3.
     zero_stage: int = 0
@@ -57,6 +72,8 @@ class ActorConfig:
     # Token budget of one training microbatch (rows x longest row, padding included); rows of similar
     # length are binned together. 0 = off: micro_batch_size samples per microbatch.
     max_tokens_per_microbatch: int = 0
+    # LoRA adapter instead of full-parameter training (rank 0 = off).
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -112,6 +129,15 @@ class RolloutConfig:
     # Largest allowed sync_logprob_diff (nats) before the run stops naming the engine; null = by
     # the engine's dtype (dsrl.rollout.weight_sync.DEFAULT_TOLERANCE: float32 1e-3, bfloat16 0.5).
     sync_tolerance: Optional[float] = None
+    # Multi-turn episodes (dsrl/agent): the environment, a registered name (calculator |
+    # guess_the_number) or a dotted path to a class/factory; "" = single-turn completions.
+    env: str = ""
+    # Keyword arguments of the environment's constructor.
+    env_kwargs: dict = field(default_factory=dict)
+    # Model turns per episode at most (max_new_tokens caps each turn).
+    max_turns: int = 4
+    # Response tokens per episode (model + environment tokens after the first observation) at most.
+    max_episode_tokens: int = 256
 
 
 @dataclass

@@ -154,6 +154,12 @@ def validate(cfg: Config) -> None:
     _check_loss_plugins(cfg, errors)
     _check_critic(cfg, errors)
     _check_data_plugins(cfg, errors)
+    from dsrl.agent.config_checks import check_agent_config  # rollout.env*: multi-turn episodes
+
+    errors += check_agent_config(cfg)
+    from dsrl.actor.lora import config_errors as lora_config_errors  # actor.lora.*: ranges and targets
+
+    errors += lora_config_errors(cfg.actor.lora)
     try:
         validate_reuse(cfg)
     except ConfigError as e:

@@ -162,10 +162,7 @@ def gae(rewards, mask, group_ids, config, kl=None, *, values=None):
     return adv, ret
 
 
-gae.needs_values = True  # compute_advantages passes rollout_data["values"]
-# Validation refuses gae in the RL loop while Trainer.train_on runs no critic (values pass, critic
-# step: dsrl/actor/critic.py); delete this attribute when it does.
-gae.rl_loop_error = "Trainer.train_on does not run the critic yet (dsrl/actor/critic.py: values pass, train_step)"
+gae.needs_values = True  # compute_advantages passes rollout_data["values"] (Trainer.train_on's critic pass)
 
 
 def whiten_advantages(adv: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:

@@ -27,6 +27,10 @@ from dsrl.loss.types import Aggregator, LossOutput
 from dsrl.registry import Registry
 
 EV_KEYS = ("ev/count", "ev/ret_sum", "ev/ret_sq", "ev/err_sum", "ev/err_sq")
+# Var(R) at or below this share of the second moments of R and R - V is rounding, not spread:
+# returns are float32 (R = A + V cancels to ~1e-7 relative), so equal returns (e.g. every reward 0
+# with gamma = lambda = 1) would otherwise give an explained variance of -1e14.
+EV_MIN_RELATIVE_VARIANCE = 1e-10
 
 
 @dataclass
@@ -109,12 +113,13 @@ def finish_value_metrics(totals: Mapping[str, float]) -> dict:
     """Global critic metrics from partial sums already summed over microbatches and ranks:
     critic/value_loss, critic/value_clipfrac, critic/values, critic/returns (aggregates) and
     critic/explained_variance = 1 - Var(R - V) / Var(R) over every trainable token (left out when
-    Var(R) = 0: undefined, never a fabricated number)."""
+    Var(R) = 0 up to rounding, EV_MIN_RELATIVE_VARIANCE: undefined, never a fabricated number)."""
     out = {f"critic/{k}": float(v) for k, v in totals.items() if k not in EV_KEYS}
     n = float(totals.get("ev/count", 0.0))
     if n > 0:
         var_r = totals["ev/ret_sq"] / n - (totals["ev/ret_sum"] / n) ** 2
         var_e = totals["ev/err_sq"] / n - (totals["ev/err_sum"] / n) ** 2
-        if var_r > 0:
+        scale = max(totals["ev/ret_sq"], totals["ev/err_sq"]) / n
+        if var_r > EV_MIN_RELATIVE_VARIANCE * scale:
             out["critic/explained_variance"] = 1.0 - max(var_e, 0.0) / var_r
     return out

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Sequence
 
 from dsrl.actor.batch import Sample
+from dsrl.agent.masks import model_tokens
 
 # generate_round(round, count) -> the samples of `count` fresh prompts, groups numbered 0..count-1
 GenerateRound = Callable[[int, int], List[Sample]]
@@ -41,7 +42,7 @@ class Rollout:
     surplus_groups: int = 0  # informative groups beyond the share, discarded
     generated: int = 0  # samples generated in all rounds (dropped ones included)
     reward_sum: float = 0.0  # over every generated sample
-    length_sum: int = 0  # response tokens over every generated sample
+    length_sum: int = 0  # response tokens the model sampled, over every generated sample
     weights_step: int = 0  # the step whose weights generated it (0 = the initial weights)
     seconds: float = 0.0  # wall time of the generation and scoring
     fault_counts: dict = field(default_factory=dict)  # this rank's fault counters of the rollout (not reduced)
@@ -85,7 +86,7 @@ def collect_rollout(generate_round: GenerateRound, *, share: int, dynamic: bool,
         drawn += count
         out.generated += len(samples)
         out.reward_sum += sum(float(s.reward) for s in samples)
-        out.length_sum += sum(len(s.response_ids) for s in samples)
+        out.length_sum += sum(model_tokens(s) for s in samples)  # episodes: environment tokens not counted
         for group in split_groups(samples):
             if dynamic and not is_informative([s.reward for s in group]):
                 uninformative.append(group)

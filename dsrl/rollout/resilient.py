@@ -52,6 +52,7 @@ class ResilientWorker:
         self.total_restarts = 0
         self._pushed = False  # a push happened: a rebuilt engine must get the pushed weights back
         self._staging = None  # shared-memory segments of the last push (dsrl.rollout.shm_transport)
+        self._adapter = None  # actor.lora: (folder, id) of the last adapter loaded (dsrl.rollout.lora_sync)
 
     # ------------------------------------------------------------------ the worker's interface
     def generate(self, *args, **kwargs):
@@ -83,6 +84,20 @@ class ResilientWorker:
 
     def probe_logprobs(self, token_id_lists):
         return self._call("probe_logprobs", token_id_lists)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """The engine serves LoRA adapters (actor.lora; dsrl.rollout.lora_sync syncs the adapter only)."""
+        return bool(getattr(self.worker, "lora_enabled", False))
+
+    def load_adapter(self, path: str, adapter_id: int) -> float:
+        """The trainer's adapter folder into the engine; a rebuilt engine gets it back."""
+        seconds = self._call("load_adapter", path, adapter_id)
+        self._adapter = (path, adapter_id)
+        return seconds
+
+    def probe_sampled(self, prompt_ids, **kwargs):
+        return self._call("probe_sampled", prompt_ids, **kwargs)
 
     def sleep(self, level: int = 1) -> None:
         """The engine frees its memory for the train phase (dsrl.rollout.memory)."""
@@ -154,6 +169,8 @@ class ResilientWorker:
             self._attempt(self.worker.load_shared_weights, self._staging.refs)
         elif self._pushed:
             self._attempt(self.worker.reload_pushed_weights)
+        if self._adapter is not None:
+            self._attempt(self.worker.load_adapter, *self._adapter)
         log.warning("%s: restarted in %.1f s", self.name, time.perf_counter() - t0)
 
     def _attempt(self, fn, *args, **kwargs):

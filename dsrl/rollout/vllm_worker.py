@@ -56,6 +56,16 @@ def _cpu_env(kv_cache_gib: int, local_rank: int, local_world: int) -> dict:
     }
 
 
+def lora_engine_kwargs(lora_rank: int) -> dict:
+    """LLM(...) arguments of an engine that serves the actor's LoRA adapter (actor.lora.rank > 0):
+    one adapter at a time, max_lora_rank the smallest vLLM accepts that holds the rank."""
+    if int(lora_rank) <= 0:
+        return {}
+    from dsrl.actor.lora import vllm_max_lora_rank
+
+    return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(int(lora_rank)), "max_loras": 1}
+
+
 # KV-cache block of a CPU engine. Prefix caching shares only whole blocks, and the n samples of a
 # group are scheduled in the same engine step: with vLLM-CPU's default of 128 tokens a prompt shorter
 # than that is prefilled n times; with 32 (the smallest its attention takes) the children reuse the
@@ -68,7 +78,6 @@ def cpu_llm_kwargs() -> dict:
     """LLM(...) arguments of a CPU engine (on top of the common ones): chunked prefill stays off
     (per-request seeds, see VLLMWorker.__init__); small KV blocks so a group shares its prompt."""
     return {"enable_chunked_prefill": False, "block_size": CPU_BLOCK_SIZE}
-
 
 
 DEFAULT_BUCKET_BYTES = 256 << 20  # push_weights(state dict): bucket size (the trainer sets rollout.sync_bucket_mb)
@@ -117,7 +126,7 @@ class VLLMWorker:
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
                  kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
                  local_rank: int = 0, local_world: int = 1, weights_dir: Optional[str] = None,
-                 colocated: bool = False):
+                 colocated: bool = False, lora_rank: int = 0):
         from vllm import LLM
 
         # Read once by the spawned engine process; set before it starts.
@@ -131,11 +140,15 @@ class VLLMWorker:
         # prompt that does not fit the step's token budget waits for the next step instead.
         cpu_only = {} if torch.cuda.is_available() else cpu_llm_kwargs()
         cuda_only = cuda_engine_kwargs(local_rank, colocated)  # this rank's GPU, sleep mode
+        # actor.lora.rank > 0: the engine serves the trainer's adapter (load_adapter) on the base weights.
+        self.lora_enabled = int(lora_rank) > 0
+        self.lora_request = None  # the adapter every generate uses (None: the base model)
+        lora_only = lora_engine_kwargs(lora_rank)
         t0 = time.time()
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
                        logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                       disable_log_stats=True, use_tqdm_on_load=False, **cpu_only, **cuda_only)
+                       disable_log_stats=True, use_tqdm_on_load=False, **cpu_only, **cuda_only, **lora_only)
         self.sleep_mode = bool(cuda_only.get("enable_sleep_mode"))
         self.start_seconds = time.time() - t0
         self._procs = engine_processes(self.llm)
@@ -155,7 +168,7 @@ class VLLMWorker:
                                  seed=None if seeds is None or greedy else int(seeds[i]))
                   for i in range(len(prompt_ids))]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params,
-                                 use_tqdm=_generation_bar if show_progress else False)
+                                 use_tqdm=_generation_bar if show_progress else False, lora_request=self.lora_request)
         result = []
         for out in outs:
             group = []
@@ -218,12 +231,54 @@ class VLLMWorker:
         self.load_shared_weights(self._staging.refs)
         return True
 
+    def load_adapter(self, path: str, adapter_id: int) -> float:
+        """actor.lora: serve the PEFT adapter folder at `path` from now on (dsrl.rollout.lora_sync).
+        `adapter_id` must be new for every sync: vLLM caches adapters by id and would keep serving
+        the old weights under a reused one. The files are read here (add_lora), so the previous
+        adapter's folder may be removed once this returns. Returns seconds."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_enabled:
+            raise RuntimeError("load_adapter on a vLLM engine started without LoRA (lora_rank=0)")
+        t0 = time.perf_counter()
+        request = LoRARequest(f"dsrl-adapter-{int(adapter_id)}", int(adapter_id), str(path))
+        self.llm.llm_engine.add_lora(request)
+        old, self.lora_request = self.lora_request, request
+        if old is not None and old.lora_int_id != request.lora_int_id:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+        self.llm.reset_prefix_cache()
+        return time.perf_counter() - t0
+
+    def probe_sampled(self, prompt_ids: Sequence[Sequence[int]], *, max_tokens: int,
+                      seed: int) -> List[tuple]:
+        """The sync check of a LoRA engine: (token ids, log-probs) of `max_tokens` tokens sampled
+        at temperature 1 (its log-probs are the raw log_softmax) from each prompt with the current
+        adapter, EOS ignored so every row has `max_tokens`. Used instead of `probe_logprobs`,
+        whose prompt_logprobs fail on a LoRA-enabled vLLM-CPU 0.32 engine (module docstring of
+        dsrl.rollout.lora_sync)."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=int(max_tokens), logprobs=0,
+                                 seed=int(seed) + i, ignore_eos=True, detokenize=False)
+                  for i in range(len(prompt_ids))]
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False,
+                                 lora_request=self.lora_request)
+        result = []
+        for out in outs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            result.append((ids, [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs)]))
+        return result
+
     def probe_logprobs(self, token_id_lists: Sequence[Sequence[int]]) -> List[List[float]]:
         """Prompt log-probs of fixed token sequences: for each sequence, the log-prob of token i
         given tokens < i (i >= 1; raw log_softmax of the logits, no temperature), from a greedy
         one-token request with `prompt_logprobs=0`. The weight sync's check (dsrl.rollout.weight_sync)."""
         from vllm import SamplingParams
 
+        if self.lora_enabled:
+            raise RuntimeError("probe_logprobs: prompt log-probs fail on a LoRA-enabled vLLM-CPU 0.32 engine; "
+                               "its sync is checked with probe_sampled (dsrl.rollout.lora_sync)")
         params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in token_id_lists], params, use_tqdm=False)
         result = []

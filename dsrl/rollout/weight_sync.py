@@ -12,6 +12,11 @@
    `rollout/sync_logprob_diff` (largest over engines and ranks), and a diff above
    `rollout.sync_tolerance` raises `WeightSyncError` naming the engine.
 
+actor.lora (an actor with `lora`, a worker with `lora_enabled`): steps 1-3 become the adapter-only
+sync of dsrl.rollout.lora_sync, and the probe samples the tail of each probe sequence on the engine
+(`worker.probe_sampled`; prompt log-probs fail on a LoRA-enabled vLLM-CPU engine) and compares its
+log-probs with the trainer's. Other workers get the full weights with the adapter merged in.
+
 Worker protocol used here:
 - `push_weights(buckets: list[Bucket], step) -> float`;
 - `probe_logprobs(token_id_lists) -> list[list[float]]` (one engine: per sequence, the log-prob of
@@ -45,6 +50,7 @@ log = logging.getLogger("dsrl")
 PROBE_SEQUENCES = 4   # fixed probe: sequences ...
 PROBE_LENGTH = 16     # ... of this many tokens (15 scored positions each)
 PROBE_SEED = 20261130
+PROBE_PROMPT = 8      # LoRA engines (sampled probe): prompt tokens of each probe sequence; the rest are sampled
 # Default rollout.sync_tolerance by engine dtype (mean |log-prob diff| in nats); see module doc.
 DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.1}
 
@@ -97,11 +103,20 @@ class WeightSync:
                         "are not checked (rollout/sync_logprob_diff is not logged)", type(worker).__name__)
             self.probe = False
         self.tokens = probe_tokens(actor.hf_config.vocab_size) if self.probe else []
+        # actor.lora with a LoRA-enabled engine: only the adapter is synced (dsrl.rollout.lora_sync);
+        # any other engine gets the full weights with the adapter merged in (ActorEngine.export_named_tensors).
+        self.adapter_sync = None
+        if getattr(actor, "lora", None) is not None and getattr(worker, "lora_enabled", False):
+            from dsrl.rollout.lora_sync import AdapterSync
+
+            self.adapter_sync = AdapterSync(actor, worker)
 
     def push(self, step: int) -> dict:
         """Export, pack, load into the engine(s), probe. Collective: every rank calls it."""
         from dsrl.distributed.collectives import all_reduce_max
 
+        if self.adapter_sync is not None:
+            return self._push_adapter(step)
         t0 = time.perf_counter()
         alloc_fn = getattr(self.worker, "bucket_allocator", None)
         alloc = alloc_fn() if callable(alloc_fn) else None
@@ -125,15 +140,41 @@ class WeightSync:
                 metrics["rollout/sync_logprob_diff"] = self.check(step)
         return metrics
 
+    def _push_adapter(self, step: int) -> dict:
+        """actor.lora: the adapter alone into the engine (dsrl.rollout.lora_sync), then the probe."""
+        from dsrl.distributed.collectives import all_reduce_max
+
+        out = self.adapter_sync.push(step)
+        metrics = {"timing/sync_seconds": all_reduce_max(out["seconds"]), "rollout/sync_bytes": out["bytes"],
+                   "rollout/sync_buckets": out["buckets"]}
+        if self.probe:
+            with self.memory.for_rollout() if self.memory is not None else contextlib.nullcontext():
+                metrics["rollout/sync_logprob_diff"] = self.check(step)
+        return metrics
+
+    def _sampled_diffs(self) -> dict:
+        """LoRA engines (no prompt log-probs there, dsrl.rollout.lora_sync): the engine samples
+        the tail of each probe sequence after its first PROBE_PROMPT tokens; the trainer scores
+        the same tokens."""
+        prompts = [list(t[:PROBE_PROMPT]) for t in self.tokens]
+        got = self.worker.probe_sampled(prompts, max_tokens=PROBE_LENGTH - PROBE_PROMPT, seed=PROBE_SEED)
+        full = [p + list(ids) for p, (ids, _) in zip(prompts, got)]
+        mine = trainer_probe_logprobs(self.actor, full)[:, PROBE_PROMPT - 1:]
+        name = getattr(self.worker, "name", "rollout engine")
+        return {name: _mean_abs_diff(mine, [lps for _, lps in got], name)}
+
     def check(self, step: int) -> float:
         """Probe every engine; returns the largest mean |diff| (all ranks); raises
         WeightSyncError above the tolerance, naming the engine."""
         from dsrl.distributed.collectives import all_reduce_max
 
-        mine = trainer_probe_logprobs(self.actor, self.tokens)
-        result = self.worker.probe_logprobs(self.tokens)
-        per_engine = result if isinstance(result, dict) else {getattr(self.worker, "name", "rollout engine"): result}
-        diffs = {name: _mean_abs_diff(mine, lps, name) for name, lps in per_engine.items()}
+        if self.adapter_sync is not None:
+            diffs = self._sampled_diffs()
+        else:
+            mine = trainer_probe_logprobs(self.actor, self.tokens)
+            result = self.worker.probe_logprobs(self.tokens)
+            per_engine = result if isinstance(result, dict) else {getattr(self.worker, "name", "rollout engine"): result}
+            diffs = {name: _mean_abs_diff(mine, lps, name) for name, lps in per_engine.items()}
         local = max(diffs.values()) if diffs else 0.0
         worst = all_reduce_max(local)  # every rank raises together: none is left in a collective
         if worst > self.tolerance:

@@ -46,11 +46,20 @@ def test_groups_seeds_and_masks(tiny_tokenizer):
 
 
 def test_loss_mask_in_collated_batch(tiny_tokenizer):
-    """What the lead wires into collate: loss_mask columns P-1+k carry the model mask."""
+    """collate and collate_shared_prompt put the model mask in loss_mask (response token k at
+    column P-1+k, resp. k) and ones in response_mask; a single-turn sample keeps all ones."""
+    from dsrl.actor.shared_prompt import collate_shared_prompt
+
     s = Sample(prompt_ids=[1, 2, 3], response_ids=[10, 11, 12, 13], rollout_log_probs=[-0.5, 0.0, 0.0, -0.25],
                group=0, extra={"model_mask": [1, 0, 0, 1]})
-    batch = collate([s], pad_id=0, token_fields={"model_mask": [response_loss_mask(s)]})
-    assert torch.equal(batch["loss_mask"] * batch["model_mask"], torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, 1.0]]))
+    single = Sample(prompt_ids=[1, 2, 3], response_ids=[10, 11], rollout_log_probs=[-0.5, -0.1], group=0, index=1)
+    batch = collate([s, single], pad_id=0)
+    assert torch.equal(batch["loss_mask"], torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]]))
+    assert torch.equal(batch["response_mask"], torch.tensor([[0.0, 0.0, 1.0, 1.0, 1.0, 1.0],
+                                                             [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]]))
+    shared = collate_shared_prompt([s, single], pad_id=0)
+    assert torch.equal(shared["loss_mask"], torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]]))
+    assert torch.equal(shared["response_mask"], torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]]))
     with pytest.raises(ValueError, match="sample 7: model_mask has 2 entries for 4 response tokens"):
         response_loss_mask(Sample([1], [1, 2, 3, 4], [0.0] * 4, group=0, index=7, extra={"model_mask": [1, 0]}))
 
@@ -62,3 +71,14 @@ def test_limits_name_the_key(tiny_tokenizer):
         generate_episode_samples(w, tiny_tokenizer, [], n=1, max_turns=300, **kw)
     with pytest.raises(ValueError, match="algo.n_samples_per_prompt=300"):
         generate_episode_samples(w, tiny_tokenizer, [], n=300, max_turns=2, **kw)
+
+
+def test_mean_episode_metrics_weights_rounds_by_episodes():
+    """Dynamic sampling runs several rounds per step: the step's agent/* metrics are the means
+    over every episode generated, i.e. weighted by each round's episode count."""
+    from dsrl.agent.rollout import mean_episode_metrics
+
+    rounds = [(8, {"agent/reward": 0.5, "agent/turns": 2.0}), (4, {"agent/reward": 1.0, "agent/turns": 1.0})]
+    assert mean_episode_metrics(rounds) == pytest.approx({"agent/reward": (8 * 0.5 + 4 * 1.0) / 12,
+                                                          "agent/turns": (8 * 2.0 + 4 * 1.0) / 12})
+    assert mean_episode_metrics([]) == {}

@@ -67,7 +67,8 @@ def test_multi_turn_token_identity_with_vllm(engine, hf_model, tiny_tokenizer):
         logits = hf_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     lp, _ = token_logprobs(logits, batch["targets"], temperature=TEMPERATURE)
     model = batch["model_mask"].bool()
-    env = batch["loss_mask"].bool() & ~model
+    assert torch.equal(batch["loss_mask"].bool(), model)  # collate's loss mask is the model mask
+    env = batch["response_mask"].bool() & ~model
     assert int(model.sum()) == sum(t.model_tokens for t in trajs) and int(env.sum()) > 0
     torch.testing.assert_close(lp[model], batch["rollout_log_probs"][model], atol=1e-4, rtol=0)
     assert torch.equal(batch["rollout_log_probs"][env], torch.zeros(int(env.sum())))

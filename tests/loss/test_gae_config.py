@@ -8,7 +8,6 @@ from hydra import compose, initialize_config_dir
 from dsrl.config.reuse import ConfigError, decide_reuse
 from dsrl.config.schema import CriticConfig, register_configs, to_config
 from dsrl.config.validate import validate
-from dsrl.loss.registry import ADVANTAGE_ESTIMATORS
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 register_configs()
@@ -17,12 +16,6 @@ register_configs()
 def _cfg(*overrides):
     with initialize_config_dir(config_dir=os.path.abspath(CONF), version_base=None):
         return to_config(compose(config_name="config", overrides=list(overrides)))
-
-
-@pytest.fixture
-def wired(monkeypatch):
-    """As once Trainer.train_on runs the critic: gae's rl_loop_error removed."""
-    monkeypatch.delattr(ADVANTAGE_ESTIMATORS["gae"], "rl_loop_error")
 
 
 def _errors(cfg) -> str:
@@ -39,12 +32,9 @@ def test_critic_group_composes_with_schema_defaults():
     assert cfg.critic.lr == 5e-6 and cfg.critic.zero_stage == 3 and cfg.algo.value_clip is None
 
 
-def test_gae_validates_once_the_loop_runs_the_critic(wired):
-    validate(_cfg("algo.advantage_estimator=gae", "critic.lr=1e-5", "algo.gae_lambda=0.95"))
-
-
-def test_gae_is_refused_while_the_loop_runs_no_critic():
-    assert "algo.advantage_estimator=gae cannot run in the RL loop yet" in _errors(_cfg("algo.advantage_estimator=gae"))
+def test_gae_validates_now_that_the_loop_runs_the_critic():
+    validate(_cfg("algo.advantage_estimator=gae"))
+    validate(_cfg("algo.advantage_estimator=gae", "critic.lr=1e-5", "algo.gae_lambda=0.95", "critic.zero_stage=3"))
 
 
 @pytest.mark.parametrize("override,message", [
@@ -57,7 +47,7 @@ def test_gae_is_refused_while_the_loop_runs_no_critic():
     ("critic.loss=nope", "critic.loss='nope': unknown value loss"),
     ("algo.policy_loss=sft", "algo.policy_loss=sft reads no advantages"),
 ])
-def test_bad_critic_settings_are_named(wired, override, message):
+def test_bad_critic_settings_are_named(override, message):
     assert message in _errors(_cfg("algo.advantage_estimator=gae", override))
 
 
@@ -66,7 +56,7 @@ def test_critic_keys_without_a_critic_are_an_error():
     assert "critic.path, critic.lr set, but algo.advantage_estimator='grpo' reads no values" in err
 
 
-def test_reuse_reason_says_what_the_critic_changes(wired):
+def test_reuse_reason_says_what_the_critic_changes():
     d = decide_reuse(_cfg("algo.advantage_estimator=gae", "algo.reuse_logprobs=auto"))
     assert d.reuse and "the critic of algo.advantage_estimator=gae does not change this" in d.reason
     assert "values pass runs every step" in d.reason
@@ -80,3 +70,15 @@ def test_no_critic_is_built_for_estimators_without_values():
     from dsrl.actor.critic import build_critic
 
     assert build_critic(_cfg(), "/nonexistent", dtype="float32", attn_implementation="eager") is None
+
+
+def test_reuse_reason_keeps_the_critic_note_when_the_model_blocks_reuse(tiny_model_path):
+    """A model-side blocker (here a dropout knob read with the model's config.json) rebuilds the
+    decision: the run log must still say what the critic changes."""
+    from dsrl.config.reuse import reuse_for_model_config
+
+    for mode in ("auto", "adaptive"):
+        cfg = _cfg("algo.advantage_estimator=gae", f"algo.reuse_logprobs={mode}", "model.attention_dropout=0.1")
+        d = reuse_for_model_config(decide_reuse(cfg), cfg, str(tiny_model_path))
+        assert not d.reuse and "attention_dropout" in d.reason, d.reason
+        assert "the critic of algo.advantage_estimator=gae does not change this" in d.reason, d.reason

@@ -121,3 +121,21 @@ def test_inputs_are_fixed_and_missing_ones_are_named():
     with pytest.raises(Exception, match="critic.loss='nope'"):
         get_value_loss("nope")
     assert "clipped" in VALUE_LOSSES
+
+
+def test_explained_variance_is_left_out_when_returns_are_equal_up_to_rounding():
+    """Every reward 0 with gamma = lambda = 1: R = A + V is 0 up to float32 rounding (~1e-10 here)
+    while V is not. Var(R) is rounding, so EV is undefined (left out), not -1e14; a real spread of
+    the returns keeps it, worked out by hand."""
+    mask = torch.ones(1, 4, dtype=F64)
+    values = torch.tensor([[4e-3, -2e-3, 5e-3, 1e-3]], dtype=F64)
+    returns = torch.tensor([[1e-10, -2e-10, 0.0, 3e-10]], dtype=F64)
+    from dsrl.loss.value import explained_variance_sums
+
+    sums = {k: float(x) for k, x in explained_variance_sums(values, returns, mask > 0).items()}
+    assert "critic/explained_variance" not in finish_value_metrics(sums)
+    # R = [1, 0, 1, 0] (Var .25), V = [.5, .5, .5, .5]: e = R - V = [.5, -.5, .5, -.5] (Var .25) -> EV 0.
+    sums = {k: float(x) for k, x in explained_variance_sums(torch.full((1, 4), 0.5, dtype=F64),
+                                                             torch.tensor([[1.0, 0.0, 1.0, 0.0]], dtype=F64),
+                                                             mask > 0).items()}
+    assert finish_value_metrics(sums)["critic/explained_variance"] == pytest.approx(0.0, abs=1e-12)
