@@ -15,12 +15,14 @@ from typing import Any, List, Mapping, Optional, Sequence
 __all__ = ["plot_run", "TIMING_PHASES"]
 
 # fixed colour per phase so plots of different runs read the same way
-_PHASE_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+_PHASE_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:gray")
 
 TIMING_PHASES: Sequence[str] = (
     "timing/rollout",
     "timing/old_logprobs",
     "timing/ref_logprobs",
+    "timing/critic_values",  # algo.advantage_estimator=gae
+    "timing/critic_train",
     "timing/train",
     "timing/weight_sync",
 )

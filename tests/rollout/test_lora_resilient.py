@@ -41,7 +41,7 @@ class LoraStandIn:
         self.alive = False
 
     def close(self):
-        pass
+        self.alive = False
 
 
 def test_rebuilt_engine_gets_the_last_adapter_back():
