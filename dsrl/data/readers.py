@@ -100,10 +100,19 @@ def _caused_by(e: BaseException, kind: type) -> bool:
 
 
 def _load(builder: str, file: str, **kwargs: Any):
+    import datasets
     from datasets import load_dataset
 
-    with quiet_datasets():
-        return load_dataset(builder, data_files={"train": [file]}, split="train", **kwargs)
+    # A local file needs no network, but `datasets` pings the Hub to count a download of the packaged
+    # builder on every load; without a network each ping waits out its 3 s timeout (a fuzz test of 200
+    # files took minutes). Switched off for this call only.
+    saved = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    try:
+        with quiet_datasets():
+            return load_dataset(builder, data_files={"train": [file]}, split="train", **kwargs)
+    finally:
+        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = saved
 
 
 def _bad_utf8_lines(file: str) -> set:
