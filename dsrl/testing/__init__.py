@@ -2,7 +2,10 @@
 and the model folders prepared by dsrl.setup_assets."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -10,7 +13,7 @@ from dsrl.distributed.ports import free_port
 from dsrl.setup_assets import (default_cache_dir, make_tiny_model, smollm2_path,
                                tiny_model_path, torch_extensions_dir)
 
-__all__ = ["configure_test_env", "ensure_tiny_model", "smollm2_available", "free_port",
+__all__ = ["configure_test_env", "ensure_tiny_model", "smollm2_available", "free_port", "run_job",
            "default_cache_dir", "tiny_model_path", "smollm2_path", "torch_extensions_dir"]
 
 
@@ -46,3 +49,16 @@ def subprocess_env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
     env.update(extra)
     return env
+
+
+def run_job(cmd, run_dir: os.PathLike, *, timeout: float = 900, **extra_env: str) -> list:
+    """Run a dsrl job (`cmd` after the interpreter: e.g. ["-m", "dsrl.main", ...], or a full
+    launcher command) on CPU from the repository root; fail with the end of its output unless it
+    exits 0; return the rows of its metrics.jsonl."""
+    argv = [sys.executable, *cmd] if cmd[0] in ("-m", "-c") else list(cmd)
+    env = subprocess_env(RAY_AUTH_MODE="disabled", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **extra_env)
+    r = subprocess.run(argv, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, env=env,
+                       timeout=timeout)
+    if r.returncode != 0:
+        raise AssertionError(f"exit {r.returncode}:\n{(r.stdout + r.stderr)[-6000:]}")
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -4,16 +4,13 @@ adapter-only sync, two RL steps, a checkpoint and the final output. Checked: eve
 exactly the adapter (32768 parameters = 131072 bytes in float32, counted by hand below) and its
 probe agrees with the trainer (< 1e-4); the adapter trains; the final folder is a merged HF model
 that transformers loads, with the PEFT adapter beside it reproducing it on the base model."""
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from dsrl.testing import subprocess_env
+from dsrl.testing import run_job
 
 # Tiny Llama: hidden 128, 2 KV heads x head_dim 32 = 64, MLP 256, 2 layers; rank 8 on all seven projections.
 # Per layer, A (8 x in) + B (out x 8): q 8*128+128*8, k and v 8*128+64*8 each, o 8*128+128*8,
@@ -32,18 +29,14 @@ def test_lora_job_runs_from_the_command_line(tmp_path, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dsrl.main", "+exp=grpo_reuse", "actor.lora.rank=8", "actor.lora.alpha=16",
+    cmd = ["-m", "dsrl.main", "+exp=grpo_reuse", "actor.lora.rank=8", "actor.lora.alpha=16",
            "actor.lr=1e-2", "trainer.total_steps=2", f"model.path={tiny_model_path}", "model.dtype=float32",
            "rollout.dtype=float32", "algo.rollout_batch_size=2", "algo.n_samples_per_prompt=4",
            "algo.global_batch_size=8", "rollout.max_new_tokens=8", "reward.fn=test_lora_cli.length_reward",
            "algo.skip_zero_variance_groups=false", "trainer.eval_before=false", "trainer.eval_after=false",
            "trainer.save_every=2", "logger.plot=false", "logger.tensorboard=false", f"hydra.run.dir={run_dir}"]
-    env = subprocess_env(RAY_AUTH_MODE="disabled", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
-                         PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run(cmd, cwd=Path(__file__).parents[2], capture_output=True, text=True, env=env, timeout=900)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-6000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = run_job(cmd, run_dir, timeout=900,
+                   PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
         assert row["rollout/sync_bytes"] == ADAPTER_PARAMS * 4
