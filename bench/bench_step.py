@@ -126,6 +126,9 @@ def _model_path(cfg):
 
 def use(trainer, mode):
     trainer.cfg, trainer.decision, trainer.worker = mode.cfg, mode.decision, mode.worker
+    # The shared-prompt decision is cached on the engine (dsrl.actor.shared_prompt): decide anew for
+    # this mode's actor.shared_prompt, or "all off" would train in the shared layout too.
+    trainer.actor._shared_prompt_decision = None
     trainer.skip_zero_advantage, trainer.skip_reason = mode.skip
     trainer.steps_per_rollout = mode.steps_per_rollout
 
