@@ -21,6 +21,7 @@ import torch
 from dsrl.actor.device import to_device, to_host
 from dsrl.actor.engine import _DTYPES, build_ds_config, init_distributed
 from dsrl.actor.nonfinite import guarded_step
+from dsrl.actor.optim import adamw, skip_single_rank_allreduce
 from dsrl.actor.shared_prompt import additive_mask, is_shared_prompt_batch
 from dsrl.loss.types import Aggregator
 from dsrl.loss.value import ValueLoss, ValueLossInputs, finish_value_metrics, get_value_loss
@@ -97,8 +98,9 @@ class CriticEngine:
         model.value_head.to(_DTYPES[dtype])
         _fresh_head(model.value_head, hidden)  # a plain parameter: DeepSpeed partitions it under ZeRO-3
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        optimizer = adamw(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        skip_single_rank_allreduce(self.engine)
 
     @property
     def module(self) -> ValueModel:

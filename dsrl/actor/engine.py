@@ -21,6 +21,7 @@ import torch
 from dsrl.actor.device import to_device, to_host
 from dsrl.actor.logprobs import token_logprobs
 from dsrl.actor.nonfinite import guarded_step
+from dsrl.actor.optim import adamw, skip_single_rank_allreduce
 from dsrl.actor.shared_prompt import FORWARD_KEYS, additive_mask, is_shared_prompt_batch
 from dsrl.actor.stochastic import apply_dropout_knobs
 from dsrl.distributed.ports import free_port
@@ -148,9 +149,10 @@ class ActorEngine:
         if trainable:
             model.train()
             trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapter only
-            optimizer = torch.optim.AdamW(trained, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+            optimizer = adamw(trained, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
             self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                      config=ds_config)
+            skip_single_rank_allreduce(self.engine)
         else:
             model.eval()
             for p in model.parameters():
@@ -256,7 +258,7 @@ class ActorEngine:
         eng.set_gradient_accumulation_boundary(True)
         if eng.zero_optimization_partition_gradients():
             eng.optimizer.finalize_gradient_accumulation_boundary()
-        else:
+        elif eng.enable_backward_allreduce:  # off for ZeRO-0 on one rank (dsrl.actor.optim)
             eng.allreduce_gradients()
         self._open_accumulation = False
 

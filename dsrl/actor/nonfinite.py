@@ -85,9 +85,16 @@ def _held_gradients(ds_engine) -> list:
 
 
 def local_grads_finite(ds_engine) -> bool:
-    """Every gradient element this rank holds is finite (no collective)."""
+    """Every gradient element this rank holds is finite (no collective).
+
+    One fused pass first: a NaN or inf element makes the L2 norm NaN or inf, so a finite norm
+    proves every element finite (0.025 s for SmolLM2's 135M fp32 gradients here, against 0.25 s
+    for an isfinite pass per tensor). Only a non-finite norm, which may also be an overflow of
+    the squares of finite elements, is settled element by element."""
     grads = _held_gradients(ds_engine)
     if not grads:
+        return True
+    if bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, foreach=True))):
         return True
     return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
@@ -131,8 +138,8 @@ def guarded_step(ds_engine, zero_stage: int, bad_loss: bool) -> "tuple[float, bo
         return float("nan"), True
     pre_norm = None
     if zero_stage == 0:  # DeepSpeed records the norm only for ZeRO optimizers
-        grads = [p.grad.detach().float().norm() for p in ds_engine.module.parameters() if p.grad is not None]
-        pre_norm = torch.stack(grads).norm() if grads else torch.tensor(0.0)
+        grads = [p.grad.detach().float() for p in ds_engine.module.parameters() if p.grad is not None]
+        pre_norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.tensor(0.0)
     ds_engine.step()
     norm = pre_norm if pre_norm is not None else ds_engine.get_global_grad_norm()
     if norm is None:
