@@ -22,7 +22,7 @@ from dsrl.actor.device import to_device, to_host
 from dsrl.actor.logprobs import token_logprobs
 from dsrl.actor.nonfinite import guarded_step
 from dsrl.actor.optim import adamw, skip_single_rank_allreduce
-from dsrl.actor.shared_prompt import FORWARD_KEYS, additive_mask, is_shared_prompt_batch
+from dsrl.actor.shared_prompt import FORWARD_KEYS, additive_mask, head_rows, is_shared_prompt_batch
 from dsrl.actor.stochastic import apply_dropout_knobs
 from dsrl.distributed.ports import free_port
 from dsrl.loss.registry import ObjectiveSpec
@@ -172,27 +172,34 @@ class ActorEngine:
         return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
     def logits(self, batch: Mapping) -> torch.Tensor:
-        """Logits for every target column: [B, T-1, V] (dense layout), or [B, R, V] gathered from
-        the packed rows of a shared-prompt microbatch (dsrl.actor.shared_prompt)."""
-        if is_shared_prompt_batch(batch):
-            return self._shared_prompt_logits(batch)
+        """Logits for every target column of a dense-layout microbatch: [B, T-1, V]."""
         out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         return out.logits[:, :-1]
 
-    def _shared_prompt_logits(self, batch: Mapping) -> torch.Tensor:
-        """One forward of the packed rows (4-D mask, restarted position ids), only the last
-        `logits_to_keep` positions through the LM head, then each target's row gathered; the
-        gather's backward sums the shared positions' gradients."""
-        allowed = batch["attention_mask"]
-        mask = additive_mask(allowed, self.module.get_input_embeddings().weight.dtype)  # HF adds it to scores
-        out = self.engine(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"],
-                          logits_to_keep=int(batch["logits_to_keep"]), use_cache=False)
-        logits = out.logits
-        index = batch["logit_index"].to(logits.device)
-        flat = logits.reshape(-1, logits.shape[-1])
-        return flat.index_select(0, index.reshape(-1)).view(*index.shape, logits.shape[-1])
+    def _shared_prompt_logprobs(self, batch: Mapping, with_entropy: bool):
+        """One forward of the packed rows (4-D mask, restarted position ids); the LM head runs
+        only on the positions some response token reads (one row per response token: the
+        prompt's last position once per response of its row), and the log-probs go back into
+        the response-aligned [B, R] layout, 0 past each response. Against heading every kept
+        position and gathering [B, R, V] logits this skips padding, each response's last
+        position and a copy of the logits; the gradient of a shared position is the sum over
+        its rows (autograd through the row gather)."""
+        valid = batch["response_mask"].to(self.engine.device) > 0
+        rows = batch["logit_index"].to(valid.device)[valid]
+        mask = additive_mask(batch["attention_mask"], self.module.get_input_embeddings().weight.dtype)
+        with head_rows(self.module, rows):
+            out = self.engine(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"],
+                              logits_to_keep=int(batch["logits_to_keep"]), use_cache=False)
+        targets = batch["targets"].to(valid.device)[valid]
+        lp, ent = token_logprobs(out.logits, targets[None], temperature=self.temperature, with_entropy=with_entropy)
+        lp = lp.new_zeros(valid.shape).masked_scatter(valid, lp[0])
+        if ent is not None:
+            ent = ent.new_zeros(valid.shape).masked_scatter(valid, ent[0])
+        return lp, ent
 
     def target_logprobs(self, batch: Mapping, *, with_entropy: bool = False):
+        if is_shared_prompt_batch(batch):
+            return self._shared_prompt_logprobs(batch, with_entropy)
         return token_logprobs(self.logits(batch), batch["targets"], temperature=self.temperature,
                               with_entropy=with_entropy)
 

@@ -9,15 +9,18 @@ The log-prob of response token 0 comes from the prompt's last position (shared b
 of the row), token k >= 1 from the response's own position k-1.
 
 Per-token fields of such a microbatch are *response-aligned*: [B, R] with column k = response
-token k of sample b (R = the longest response). `logit_index` [B, R] maps each column to a row of
-the kept logits flattened to [rows * logits_to_keep, V]. The gather's backward sums the gradients
-of the shared prompt's last position over the responses, and autograd sums the prompt's other
-contributions through the attention: the gradient equals the dense one up to float rounding.
+token k of sample b (R = the longest response). `logit_index` [B, R] maps each column to one of
+the kept positions of the rows flattened to [rows * logits_to_keep]; the actor heads only the
+positions of real response tokens (`head_rows`), the critic reads its values there. The row
+gather's backward sums the gradients of the shared prompt's last position over the responses,
+and autograd sums the prompt's other contributions through the attention: the gradient equals
+the dense one up to float rounding.
 
 Exact (same math as the dense forward) for decoder-only models whose attention takes an arbitrary
 4-D mask and explicit position ids, with eager or sdpa attention and no sliding window."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -201,6 +204,26 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     scores: 0 where allowed, the dtype's lowest value elsewhere (as HF's own masks)."""
     out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return out.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+@contextlib.contextmanager
+def head_rows(model: torch.nn.Module, rows: torch.Tensor):
+    """While open, the model's LM head sees only `rows` of its input: the hidden states it gets
+    ([G, K, H], the kept positions of every packed row) are flattened to [G * K, H] and these
+    rows taken, in order (repeats allowed), as one [1, len(rows), H] sequence; the logits come
+    out [1, len(rows), V]. A forward pre-hook, so the head still runs inside the engine's
+    forward (ZeRO-3 gathers its weight as usual)."""
+    head = model.get_output_embeddings()
+
+    def take(_module, args):
+        h = args[0]
+        return (h.reshape(-1, h.shape[-1]).index_select(0, rows).unsqueeze(0), *args[1:])
+
+    handle = head.register_forward_pre_hook(take)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def is_shared_prompt_batch(batch) -> bool:
