@@ -1,9 +1,10 @@
 """Shared-prompt layout: a group's samples share one prompt, so it is forwarded once.
 
-One packed row per run of consecutive samples with the same prompt (a GRPO group, or the part of
-a group that falls into this microbatch): the prompt, then each response back to back, right-
-padded to the microbatch's longest row. A 4-D attention mask lets every response attend the
-prompt and itself (causally), never another response; position ids restart at P for each
+A *run* is a maximal stretch of consecutive samples with the same prompt (a GRPO group, or the
+part of a group that falls into this microbatch): the prompt, then each response back to back.
+Runs are packed into rows no longer than the longest run (short runs share a row, `pack_rows`),
+right-padded. A 4-D attention mask lets every response attend its prompt and itself (causally),
+never another response or run; position ids restart at 0 for each prompt and at P for each
 response, so each response sees exactly the context and positions it has in the dense layout.
 The log-prob of response token 0 comes from the prompt's last position (shared by all responses
 of the row), token k >= 1 from the response's own position k-1.
@@ -120,23 +121,47 @@ def row_length(samples: Sequence[Sample], run: Sequence[int]) -> int:
     return len(samples[run[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in run)
 
 
+def pack_rows(lengths: Sequence[int]) -> List[List[int]]:
+    """Runs (by their lengths) into rows no longer than the longest run: first fit, longest run
+    first (stable), so short runs share a row instead of each padding to the longest. Returns
+    the run indices of each row, in placement order."""
+    cap = max(lengths, default=0)
+    rows: List[List[int]] = []
+    room: List[int] = []
+    for j in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[j] <= free:
+                rows[r].append(j)
+                room[r] -= lengths[j]
+                break
+        else:
+            rows.append([j])
+            room.append(cap - lengths[j])
+    return rows
+
+
 def collate_shared_prompt(samples: Sequence[Sample], pad_id: int, token_fields: Optional[dict] = None) -> dict:
     """Pack samples into one shared-prompt microbatch (see the module docstring).
+
+    Runs are packed into rows by `pack_rows`; runs that share a row are blocks on its diagonal
+    (positions restart at 0 for each prompt, a run attends only itself), so a row holds the same
+    math as one row per run, with less padding.
 
     token_fields: name -> list (one per sample) of per-response-token tensors, placed
     response-aligned like the log-probs. `loss_mask` / `response_mask` as in
     dsrl.actor.batch.collate (model tokens / every response token)."""
     if not samples:
         raise ValueError("collate_shared_prompt needs at least one sample")
-    runs = prompt_runs(samples)
-    G, B = len(runs), len(samples)
-    L = max(row_length(samples, r) for r in runs)
-    R = max(1, max(len(s.response_ids) for s in samples))
-    min_p = min(len(samples[r[0]].prompt_ids) for r in runs)
     for s in samples:
         if len(s.prompt_ids) < 1:
             raise ValueError(f"sample {s.index}: empty prompt")
-    keep_from = min_p - 1  # no target reads the logits of earlier positions in any row
+    runs = prompt_runs(samples)
+    rows = [[runs[j] for j in row] for row in pack_rows([row_length(samples, r) for r in runs])]
+    G, B = len(rows), len(samples)
+    L = max(sum(row_length(samples, r) for r in row) for row in rows)
+    R = max(1, max(len(s.response_ids) for s in samples))
+    # no target reads the logits of positions before the first prompt's end in any row
+    keep_from = min(len(samples[row[0][0]].prompt_ids) for row in rows) - 1
     K = L - keep_from  # logits_to_keep: the last K positions of every row
     input_ids = torch.full((G, L), pad_id, dtype=torch.long)
     position_ids = torch.zeros((G, L), dtype=torch.long)
@@ -147,40 +172,42 @@ def collate_shared_prompt(samples: Sequence[Sample], pad_id: int, token_fields: 
     response_mask = torch.zeros((B, R), dtype=torch.float32)
     rollout_lp = torch.zeros((B, R), dtype=torch.float32)
     fields = {name: torch.zeros((B, R), dtype=torch.float32) for name in (token_fields or {})}
-    for g, run in enumerate(runs):
-        prompt = list(samples[run[0]].prompt_ids)
-        P = len(prompt)
-        input_ids[g, :P] = torch.tensor(prompt, dtype=torch.long)
-        position_ids[g, :P] = torch.arange(P)
-        allowed[g, 0, :P, :P] = torch.ones((P, P), dtype=torch.bool).tril_()
-        start = P
-        for b in run:
-            s = samples[b]
-            resp = list(s.response_ids)
-            n = len(resp)
-            end = start + n
-            if n:
-                input_ids[g, start:end] = torch.tensor(resp, dtype=torch.long)
-                position_ids[g, start:end] = torch.arange(P, P + n)
-                allowed[g, 0, start:end, :P] = True
-                allowed[g, 0, start:end, start:end] = torch.ones((n, n), dtype=torch.bool).tril_()
-                # logits position of target k: P-1 for k = 0, start+k-1 after; columns past the
-                # response point at P-1 too (finite values, zero loss mask)
-                pos = torch.full((R,), P - 1, dtype=torch.long)
-                pos[1:n] = torch.arange(start, end - 1)
+    for g, row in enumerate(rows):
+        offset = 0  # where the run starts in the row
+        for run in row:
+            prompt = list(samples[run[0]].prompt_ids)
+            P = len(prompt)
+            last = offset + P - 1  # the prompt's last position: response token 0 reads its logits
+            input_ids[g, offset:offset + P] = torch.tensor(prompt, dtype=torch.long)
+            position_ids[g, offset:offset + P] = torch.arange(P)
+            allowed[g, 0, offset:offset + P, offset:offset + P] = torch.ones((P, P), dtype=torch.bool).tril_()
+            start = offset + P
+            for b in run:
+                s = samples[b]
+                resp = list(s.response_ids)
+                n = len(resp)
+                end = start + n
+                # logits position of target k: the prompt's end for k = 0, start+k-1 after; columns
+                # past the response point at the prompt's end too (finite values, zero masks)
+                pos = torch.full((R,), last, dtype=torch.long)
+                if n:
+                    input_ids[g, start:end] = torch.tensor(resp, dtype=torch.long)
+                    position_ids[g, start:end] = torch.arange(P, P + n)
+                    allowed[g, 0, start:end, offset:offset + P] = True
+                    allowed[g, 0, start:end, start:end] = torch.ones((n, n), dtype=torch.bool).tril_()
+                    pos[1:n] = torch.arange(start, end - 1)
+                    targets[b, :n] = torch.tensor(resp, dtype=torch.long)
+                    loss_mask[b, :n] = response_loss_mask(s)
+                    response_mask[b, :n] = 1.0
+                    rollout_lp[b, :n] = torch.as_tensor(s.rollout_log_probs, dtype=torch.float32)
+                    for name, per_sample in (token_fields or {}).items():
+                        v = per_sample[b]
+                        if v is not None:
+                            fields[name][b, :n] = torch.as_tensor(v, dtype=torch.float32).reshape(-1)[:n]
                 logit_index[b] = g * K + (pos - keep_from)
-                targets[b, :n] = torch.tensor(resp, dtype=torch.long)
-                loss_mask[b, :n] = response_loss_mask(s)
-                response_mask[b, :n] = 1.0
-                rollout_lp[b, :n] = torch.as_tensor(s.rollout_log_probs, dtype=torch.float32)
-                for name, per_sample in (token_fields or {}).items():
-                    v = per_sample[b]
-                    if v is not None:
-                        fields[name][b, :n] = torch.as_tensor(v, dtype=torch.float32).reshape(-1)[:n]
-            else:
-                logit_index[b] = g * K + (P - 1 - keep_from)
-            start = end
-        pad = torch.arange(start, L)
+                start = end
+            offset = start
+        pad = torch.arange(offset, L)
         allowed[g, 0, pad, pad] = True  # pad queries attend only themselves (no all-masked softmax row)
     batch = {
         "input_ids": input_ids,

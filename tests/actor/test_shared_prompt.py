@@ -12,6 +12,7 @@ from dsrl.actor.shared_prompt import (
     collate_shared_prompt,
     decide_shared_prompt,
     engine_uses_shared_prompt,
+    pack_rows,
     prompt_runs,
 )
 from dsrl.config.reuse import ConfigError
@@ -58,6 +59,37 @@ def test_rows_mask_positions_and_gather_map_by_hand():
         [[-0.5, -1.0], [-0.5], [-0.5, -1.0, -1.5]]
     assert mb["sample_indices"] == [0, 1, 2]
     assert padded_tokens(mb) == (1, 12)  # 6 + 5 real tokens in 2 x 6 positions
+
+
+def test_short_runs_share_a_row_as_diagonal_blocks():
+    # runs of 8 (A), 3 (B) and 4 (C) tokens: rows no longer than 8, longest first -> [A], [C, B]
+    s = [_s([11, 12, 13, 14], [31, 32, 33, 34], 0, 0), _s([21, 22], [51], 1, 1), _s([61, 62], [71, 72], 2, 2)]
+    mb = collate_shared_prompt(s, PAD)
+    assert mb["input_ids"].tolist() == [[11, 12, 13, 14, 31, 32, 33, 34], [61, 62, 71, 72, 21, 22, 51, PAD]]
+    assert mb["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 0, 1, 2, 0]]
+    assert mb["attention_mask"][1, 0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0, 0, 0],   # C's prompt: causal
+        [1, 1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0],   # C's response: its prompt + itself
+        [1, 1, 1, 1, 0, 0, 0, 0],
+        [0, 0, 0, 0, 1, 0, 0, 0],   # B's prompt: never sees C
+        [0, 0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 1, 1, 0],   # B's response
+        [0, 0, 0, 0, 0, 0, 0, 1]]   # pad: only itself
+    # keep from the earliest first-prompt end (C's, position 1): K = 8 - 1 = 7, kept index = position - 1
+    assert mb["logits_to_keep"] == 7
+    # A (row 0): prompt end 3, then 4, 5, 6; B (row 1, prompt end at 5): 7 + 4; C (row 1): 7 + [0, 1], unused -> 7 + 0
+    assert mb["logit_index"].tolist() == [[2, 3, 4, 5], [11, 11, 11, 11], [7, 8, 7, 7]]
+    assert mb["targets"].tolist() == [[31, 32, 33, 34], [51, PAD, PAD, PAD], [71, 72, PAD, PAD]]
+    assert mb["sample_indices"] == [0, 1, 2]
+    assert padded_tokens(mb) == (1, 16)  # one row per run would pad to 3 x 8 = 24 positions
+
+
+def test_pack_rows_first_fit_longest_first():
+    assert pack_rows([8, 3, 4]) == [[0], [2, 1]]
+    assert pack_rows([5, 5, 5]) == [[0], [1], [2]]
+    assert pack_rows([2, 9, 4, 3, 5]) == [[1], [4, 2], [3, 0]]
+    assert pack_rows([]) == []
 
 
 def test_a_group_split_across_microbatches_gets_the_prompt_in_each_part():

@@ -91,6 +91,28 @@ def test_shared_prompt_equals_dense(tiny_model_path, tiny_tokenizer, samples, ze
         assert float((shared["update"][n] - u).abs().max()) <= GRAD_REL_TOL * uscale, n
 
 
+def test_runs_sharing_a_row_equal_dense(tiny_model_path, tiny_tokenizer, samples):
+    """A whole group plus one sample of each other group: the two short runs share a row
+    (dsrl.actor.shared_prompt.pack_rows) as blocks on its diagonal; loss, log-probs, gradient and
+    update still equal the dense path (ZeRO-0)."""
+    from dsrl.actor.shared_prompt import prompt_runs
+
+    pad = tiny_tokenizer.pad_token_id
+    subset = [samples[i] for i in (0, 1, 2, 3, 6)]
+    dense = _run(tiny_model_path, subset, pad, zero_stage=0, shared=False, micro_batch_size=5)
+    shared = _run(tiny_model_path, subset, pad, zero_stage=0, shared=True, micro_batch_size=5)
+    assert (len(prompt_runs(subset)), shared["n_mb"], shared["rows"]) == (3, 1, 2)  # 3 runs in 2 rows
+    assert shared["loss"] == pytest.approx(dense["loss"], rel=1e-5, abs=1e-7)
+    for a, b in zip(shared["lps"], dense["lps"], strict=True):
+        assert float((a - b).abs().max()) <= LP_TOL
+    gscale = max(float(g.abs().max()) for g in dense["grads"].values())
+    for n, g in dense["grads"].items():
+        assert float((shared["grads"][n] - g).abs().max()) <= GRAD_REL_TOL * gscale, n
+    uscale = max(float(u.abs().max()) for u in dense["update"].values())
+    for n, u in dense["update"].items():
+        assert float((shared["update"][n] - u).abs().max()) <= GRAD_REL_TOL * uscale, n
+
+
 def test_training_forward_equals_scoring_pass_bit_exactly(tiny_model_path, tiny_tokenizer, samples):
     """Reuse stays exact: the training forward (train mode, autograd on) and the standalone
     pass (eval, no grad) give identical log-probs; the reuse and old-pass paths give identical
