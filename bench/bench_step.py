@@ -9,6 +9,8 @@ ABBA; the engine not used by a step gets the new weights after it, untimed. Spee
 - actor.max_tokens_per_microbatch=<budget> (token-budget microbatches) vs 0 (8 samples each);
 - algo.reuse_logprobs=auto (no standalone old-policy pass) vs off;
 - algo.skip_zero_variance_groups=true (all-equal-reward groups skip the forward) vs false;
+- rollout.sync_probe_every=10 (the weight-sync probe on every 10th push; the train step checks the
+  pushes between on its sampled tokens) vs 1 (the probe after every push);
 - the vLLM-CPU engine defaults of dsrl.rollout.vllm_worker vs the settings used before issue 9
   (bench/bench_rollout.py OLD_ENV / OLD_KWARGS).
 TRL runs in its own virtual environment (bench.trl_python, default /work/trl-venv/bin/python:
@@ -37,6 +39,9 @@ DEFAULTS = ["+exp=grpo_reuse", "trainer.eval_before=false", "trainer.eval_after=
             "trainer.save_every=0", "logger.progress=false", "logger.plot=false", "logger.tensorboard=false",
             "trainer.total_steps=1000000"]
 PHASES = ("rollout", "old_logprobs", "train", "weight_sync")
+# "all on": the weight-sync probe on every 10th push, the train step checking the pushes between
+# on its own samples (rollout.sync_probe_every); "all off": the probe after every push.
+PROBE_EVERY = 10
 
 
 @contextlib.contextmanager
@@ -69,6 +74,7 @@ class Mode:
     worker: object
     steps_per_rollout: int = 1
     rows: list = dataclasses.field(default_factory=list)
+    pushes: int = 0  # timed weight pushes so far (the probe schedule of this mode counts them)
 
 
 def build_modes(overrides, budget):
@@ -80,7 +86,7 @@ def build_modes(overrides, budget):
     from dsrl.rollout.factory import build_rollout
 
     on = [f"actor.max_tokens_per_microbatch={budget}", "actor.shared_prompt=auto", "algo.reuse_logprobs=auto",
-          "algo.skip_zero_variance_groups=true"]
+          "algo.skip_zero_variance_groups=true", f"rollout.sync_probe_every={PROBE_EVERY}"]
     with initialize_config_dir(config_dir=os.path.abspath(os.path.join(ROOT, "conf")), version_base=None):
         node = compose(config_name="config", overrides=DEFAULTS + on + list(overrides))
     run_dir = tempfile.mkdtemp(prefix="bench_step_")
@@ -88,7 +94,8 @@ def build_modes(overrides, budget):
     c = trainer.cfg
     off_cfg = dataclasses.replace(
         c, actor=dataclasses.replace(c.actor, max_tokens_per_microbatch=0, shared_prompt="off"),
-        algo=dataclasses.replace(c.algo, reuse_logprobs="off", skip_zero_variance_groups=False))
+        algo=dataclasses.replace(c.algo, reuse_logprobs="off", skip_zero_variance_groups=False),
+        rollout=dataclasses.replace(c.rollout, sync_probe_every=1))
     with old_rollout_settings():
         old_worker = build_rollout(off_cfg, _model_path(c), run_dir)
     modes = {"on": Mode("all on", c, trainer.decision, (trainer.skip_zero_advantage, trainer.skip_reason),
@@ -126,11 +133,25 @@ def _model_path(cfg):
 
 def use(trainer, mode):
     trainer.cfg, trainer.decision, trainer.worker = mode.cfg, mode.decision, mode.worker
+    sync = trainer.weight_sync  # pushes into, and probes, this mode's engine on this mode's schedule
+    sync.worker, sync.probe_every, sync.pushes = mode.worker, mode.cfg.rollout.sync_probe_every, mode.pushes
     # The shared-prompt decision is cached on the engine (dsrl.actor.shared_prompt): decide anew for
     # this mode's actor.shared_prompt, or "all off" would train in the shared layout too.
     trainer.actor._shared_prompt_decision = None
     trainer.skip_zero_advantage, trainer.skip_reason = mode.skip
     trainer.steps_per_rollout = mode.steps_per_rollout
+
+
+def push_untimed(trainer, worker, step):
+    """The engine not used by a step gets the new weights too, untimed and unprobed (its own
+    timed pushes are probed on its mode's schedule)."""
+    sync = trainer.weight_sync
+    saved = trainer.worker, sync.worker, sync.probe
+    trainer.worker, sync.worker, sync.probe = worker, worker, False
+    try:
+        trainer._push_weights(step)
+    finally:
+        trainer.worker, sync.worker, sync.probe = saved
 
 
 def run_dsrl(overrides, steps, budget, adaptive=0, trl=None):
@@ -155,9 +176,8 @@ def run_dsrl(overrides, steps, budget, adaptive=0, trl=None):
                 use(trainer, mode)
                 step += 1
                 m = trainer.step(step)
-                other = modes["off" if key == "on" else "on"]
-                trainer.worker = other.worker  # the other engine gets the new weights too, untimed
-                trainer._push_weights(step)
+                mode.pushes = trainer.weight_sync.pushes
+                push_untimed(trainer, modes["off" if key == "on" else "on"].worker, step)
                 row = {p: m.get(f"timing/{p}", 0.0) for p in PHASES}
                 row["step"] = m["timing/step"]
                 if k:

@@ -460,6 +460,9 @@ class Trainer:
         counts = self._step_counts(samples, all_samples)
         microbatches = self._microbatches(samples, token_fields)
         sums = self._forward_backward(microbatches, counts)
+        if self.weight_sync.checks_samples:  # the last push, between probes (rollout.sync_probe_every)
+            self.weight_sync.check_samples(sums.get("rollout/abs_diff_sum", 0.0), sums.get("rollout/tokens", 0.0),
+                                           self.skips.step)
         grad_norm = self.actor.optimizer_step()
         # Non-finite loss/gradient: the actor skipped the step; TrainingDiverged after max_skipped_steps in a row.
         self.skips.record(self.actor.last_step_skipped)

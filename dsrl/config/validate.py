@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, List, Optional
 
-from dsrl.config.reuse import ConfigError, validate_reuse
+from dsrl.config.reuse import ConfigError, steps_per_rollout, validate_reuse
 from dsrl.config.schema import Config
 
 _CHOICES = {
@@ -94,6 +94,29 @@ def _get(cfg: Config, dotted: str):
     return obj
 
 
+def _check_probe_schedule(cfg: Config, errors: List[str]) -> None:
+    """rollout.sync_probe_every > 1 leaves the syncs between probes to the train step's check of
+    the sampled tokens, which is only a sync check where trainer and engine log-probs are the same
+    policy's (dsrl.rollout.weight_sync.WeightSync.check_samples)."""
+    every = cfg.rollout.sync_probe_every
+    if every < 1:
+        errors.append(f"rollout.sync_probe_every={every} must be >= 1 (1 = probe after every sync)")
+        return
+    if every == 1:
+        return
+    why = []
+    if cfg.rollout.top_p < 1:
+        why.append(f"rollout.top_p={cfg.rollout.top_p} (the engine's log-probs are over the nucleus)")
+    if cfg.algo.off_policy_steps:
+        why.append(f"algo.off_policy_steps={cfg.algo.off_policy_steps} (the samples come from older weights)")
+    k = steps_per_rollout(cfg)
+    if k != 1:
+        why.append(f"{k} optimizer steps per rollout (later steps train newer weights than the samples')")
+    if why:
+        errors.append(f"rollout.sync_probe_every={every} needs the train step to check each sync on its samples, "
+                      f"which is not a sync check with {'; '.join(why)}: set rollout.sync_probe_every=1")
+
+
 def validate(cfg: Config) -> None:
     errors: List[str] = []
     for key, choices in _CHOICES.items():
@@ -115,6 +138,7 @@ def validate(cfg: Config) -> None:
         errors.append(f"rollout.temperature={cfg.rollout.temperature} must be > 0 (training log-probs divide by it)")
     if not 0 < cfg.rollout.top_p <= 1:
         errors.append(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
+    _check_probe_schedule(cfg, errors)
     for key in ("model.attention_dropout", "model.hidden_dropout"):
         if not 0 <= _get(cfg, key) < 1:
             errors.append(f"{key}={_get(cfg, key)} must be in [0, 1)")

@@ -7,7 +7,9 @@
    worker's shared-memory staging when it has one (`worker.bucket_allocator()`, CPU), on the GPU
    for CUDA IPC, otherwise into plain tensors (picklable, e.g. for Ray actors);
 3. `worker.push_weights(buckets, step)`: one call per bucket per engine;
-4. probe (`rollout.sync_probe`): the engine(s) score fixed token sequences
+4. probe (`rollout.sync_probe`, on every `rollout.sync_probe_every`-th push, the first one
+   included; the next train step checks the pushes between on its sampled tokens, `check_samples`):
+   the engine(s) score fixed token sequences
    (`worker.probe_logprobs`), the trainer scores the same tokens; the mean |log-prob diff| is
    `rollout/sync_logprob_diff` (largest over engines and ranks), and a diff above
    `rollout.sync_tolerance` raises `WeightSyncError` naming the engine.
@@ -95,6 +97,10 @@ class WeightSync:
         self.actor, self.worker, self.memory = actor, worker, memory
         self.bucket_bytes = int(float(rollout_cfg.sync_bucket_mb) * (1 << 20))
         self.probe = bool(rollout_cfg.sync_probe)
+        # rollout.sync_probe_every: the probe runs on pushes 0, N, 2N, ... of this process; the train
+        # step checks the pushes between (check_samples).
+        self.probe_every = max(1, int(getattr(rollout_cfg, "sync_probe_every", 1)))
+        self.pushes = 0
         dtype = engine_dtype or getattr(rollout_cfg, "dtype", "float32")
         self.tolerance = (float(rollout_cfg.sync_tolerance) if rollout_cfg.sync_tolerance is not None
                           else default_tolerance(dtype))
@@ -135,10 +141,40 @@ class WeightSync:
         seconds = time.perf_counter() - t0
         metrics = {"timing/sync_seconds": all_reduce_max(seconds), "rollout/sync_bytes": float(nbytes),
                    "rollout/sync_buckets": float(count)}
-        if self.probe:
+        return self._probe_on_schedule(step, metrics)
+
+    @property
+    def checks_samples(self) -> bool:
+        """Whether the train step must check the pushes the probe skips (check_samples)."""
+        return self.probe and self.probe_every > 1
+
+    def _probe_on_schedule(self, step: int, metrics: dict) -> dict:
+        """The probe on pushes 0, N, 2N, ... (rollout.sync_probe_every = N); counts the push."""
+        due = self.probe and self.pushes % self.probe_every == 0
+        self.pushes += 1
+        if due:
             with self.memory.for_rollout() if self.memory is not None else contextlib.nullcontext():
                 metrics["rollout/sync_logprob_diff"] = self.check(step)
         return metrics
+
+    def check_samples(self, abs_diff_sum: float, tokens: float, step: Optional[int]) -> None:
+        """The train step's check of the last push (rollout.sync_probe_every > 1): the mean
+        |trainer - engine| log-prob of the step's sampled tokens (all ranks), computed by the
+        training forward anyway, against rollout.sync_tolerance; raises WeightSyncError before the
+        optimizer step. Collective. With no trained token anywhere there is nothing to check."""
+        from dsrl.distributed.collectives import all_reduce_sum
+
+        total, count = all_reduce_sum([float(abs_diff_sum), float(tokens)])
+        if count <= 0:
+            return
+        mean = total / count
+        if not mean <= self.tolerance:  # NaN fails too
+            name = getattr(self.worker, "name", "rollout engine")
+            where = f"step {step}" if step is not None else "a train step"
+            raise WeightSyncError(f"{where}: the trainer's log-probs of the {int(count)} sampled tokens differ from "
+                                  f"{name}'s by {mean:.3g} on average > rollout.sync_tolerance={self.tolerance:g} "
+                                  "(checked in the train step between probes, rollout.sync_probe_every="
+                                  f"{self.probe_every}): the engine does not serve the trainer's weights")
 
     def _push_adapter(self, step: int) -> dict:
         """actor.lora: the adapter alone into the engine (dsrl.rollout.lora_sync), then the probe."""
@@ -147,10 +183,7 @@ class WeightSync:
         out = self.adapter_sync.push(step)
         metrics = {"timing/sync_seconds": all_reduce_max(out["seconds"]), "rollout/sync_bytes": out["bytes"],
                    "rollout/sync_buckets": out["buckets"]}
-        if self.probe:
-            with self.memory.for_rollout() if self.memory is not None else contextlib.nullcontext():
-                metrics["rollout/sync_logprob_diff"] = self.check(step)
-        return metrics
+        return self._probe_on_schedule(step, metrics)
 
     def _sampled_diffs(self) -> dict:
         """LoRA engines (no prompt log-probs there, dsrl.rollout.lora_sync): the engine samples
