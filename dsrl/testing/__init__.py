@@ -62,3 +62,22 @@ def run_job(cmd, run_dir: os.PathLike, *, timeout: float = 900, **extra_env: str
     if r.returncode != 0:
         raise AssertionError(f"exit {r.returncode}:\n{(r.stdout + r.stderr)[-6000:]}")
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def random_microbatch(seed: int, lengths) -> dict:
+    """A dense microbatch of random samples (one per (prompt, response) length pair, token ids
+    10-999, rollout log-probs in (-1, 0]) with random advantages on the response tokens: the
+    engine tests' standard input, reproducible from `seed`."""
+    import torch
+
+    from dsrl.actor.batch import Sample, collate
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i, (p, r) in enumerate(lengths):
+        ids = torch.randint(10, 1000, (p + r,), generator=g).tolist()
+        samples.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:],
+                              rollout_log_probs=(-torch.rand(r, generator=g)).tolist(), group=0, index=i))
+    mb = collate(samples, pad_id=0)
+    mb["advantages"] = torch.randn(mb["loss_mask"].shape, generator=g) * mb["loss_mask"]
+    return mb

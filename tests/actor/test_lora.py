@@ -12,13 +12,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from dsrl.actor.batch import Sample, collate
 from dsrl.actor.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_targets, merge_group
 from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import register_configs, to_config
 from dsrl.config.validate import validate
 from dsrl.loss.registry import get_objective
 from dsrl.loss.types import Aggregator
+from dsrl.testing import random_microbatch
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 register_configs()
@@ -77,15 +77,8 @@ def test_merge_group_adds_scaled_b_at_a():
 
 # ---------------------------------------------------------------------- the engine
 def _mb(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for i, (p, r) in enumerate([(5, 4), (7, 3), (4, 6)]):
-        ids = torch.randint(10, 1000, (p + r,), generator=g).tolist()
-        samples.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:],
-                              rollout_log_probs=(-torch.rand(r, generator=g)).tolist(), group=0, index=i))
-    mb = collate(samples, pad_id=0)
-    mb["advantages"] = torch.randn(mb["loss_mask"].shape, generator=g) * mb["loss_mask"]
-    return mb
+    """Three random samples with random advantages (dsrl.testing.random_microbatch)."""
+    return random_microbatch(seed, [(5, 4), (7, 3), (4, 6)])
 
 
 def _engine(path, zero_stage, lora=None):
