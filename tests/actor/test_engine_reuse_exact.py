@@ -4,24 +4,17 @@ gives exactly the loss, gradients and metrics of the standalone-pass path."""
 import pytest
 import torch
 
-from dsrl.actor.batch import Sample, collate
 from dsrl.actor.engine import ActorEngine
 from dsrl.loss.registry import get_objective
 from dsrl.loss.types import Aggregator
+from dsrl.testing import random_microbatch
 
 pytestmark = pytest.mark.slow
 
 
 def _batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for i, (p, r) in enumerate([(5, 4), (7, 2), (4, 6)]):
-        ids = torch.randint(10, 1000, (p + r,), generator=g).tolist()
-        samples.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:],
-                              rollout_log_probs=(-torch.rand(r, generator=g)).tolist(), group=0, index=i))
-    mb = collate(samples, pad_id=0)
-    mb["advantages"] = torch.randn(mb["loss_mask"].shape, generator=g) * mb["loss_mask"]
-    return mb
+    """Three random samples with random advantages (dsrl.testing.random_microbatch)."""
+    return random_microbatch(seed, [(5, 4), (7, 2), (4, 6)])
 
 
 def _grads(engine):
