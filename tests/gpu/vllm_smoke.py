@@ -109,7 +109,8 @@ def main() -> int:
         _, mean_a, _ = _probe(actor, worker, tokens)  # 3.
         report("probe_A_differs_before_sync", mean_a > 0.1, f"mean|diff|={mean_a:.3g}")
 
-        cfg = types.SimpleNamespace(sync_bucket_mb=64, sync_probe=False, sync_tolerance=None, dtype=dtype)
+        cfg = types.SimpleNamespace(sync_bucket_mb=64, sync_probe=False, sync_probe_every=1, sync_tolerance=None,
+                                    dtype=dtype)
         sync = WeightSync(actor, worker, cfg)
         t0 = time.perf_counter()  # 4.
         sync.push(1)
