@@ -12,6 +12,17 @@ STAMP="$VENV/.dsrl-setup"
 WANT="$(cat "$ROOT/launch/setup.sh" "$ROOT/launch/requirements.txt" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then exit 0; fi
 
+# A full set-up writes about 5 GiB (the venv, pip's cache, the model assets); a disk that fills
+# halfway leaves a broken venv and an "[Errno 28]" deep in pip's log, so check first.
+NEED_GIB="${DSRL_SETUP_NEED_GIB:-8}"
+mkdir -p "$(dirname "$VENV")"
+FREE_GIB=$(( $(df -Pk "$(dirname "$VENV")" | awk 'NR==2 {print $4}') / 1048576 ))
+if [ "$FREE_GIB" -lt "$NEED_GIB" ]; then
+  echo "[setup] only ${FREE_GIB} GiB free on the disk of $VENV; set-up needs about ${NEED_GIB} GiB" \
+       "(free space, or set DSRL_SETUP_NEED_GIB to override)" >&2
+  exit 28
+fi
+
 PY="${PYTHON:-python3}"
 PIP="$VENV/bin/python -m pip"
 LOG="$CACHE/setup.log"
