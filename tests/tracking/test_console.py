@@ -20,8 +20,12 @@ def fresh_logging(monkeypatch):
     """setup_console changes process-wide state: root handlers, env, warning capture. Undo it."""
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)
-    for name in ("VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING", "HF_HUB_DISABLE_PROGRESS_BARS",
-                 "PYTHONWARNINGS", "RANK"):
+    names = ("VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING", "HF_HUB_DISABLE_PROGRESS_BARS",
+             "PYTHONWARNINGS", "RANK")
+    # monkeypatch.delenv of an unset name records nothing, so what setup_console sets would outlive
+    # the test (a later vLLM engine then reads a logging config from a deleted tmp_path).
+    env_before = {name: os.environ.get(name) for name in names}
+    for name in names:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(console_mod, "_vllm_config_set", None)
     yield
@@ -32,6 +36,11 @@ def fresh_logging(monkeypatch):
         root.addHandler(h)
     root.setLevel(saved[1])
     logging.captureWarnings(False)
+    for name, value in env_before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _setup(tmp_path, verbose=False):
