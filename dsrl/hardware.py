@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, FrozenSet, List, Optional
+from typing import Any, FrozenSet, List, Optional, Sequence
 
 __all__ = ["Machine", "Decision", "probe", "decide", "apply", "record_resolved", "describe",
-           "cpu_has_native_bf16", "cpu_core_range", "local_world_size"]
+           "cpu_has_native_bf16", "cpu_core_range", "usable_core_ids", "local_world_size", "kernel_isa_cap"]
 
 # /proc/cpuinfo flags of instructions that compute bf16 natively (matmul kernels use them).
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+# oneDNN, which runs the CPU's bf16 matmuls, can be told to use less than the CPU has (to try
+# another kernel path on one machine): ONEDNN_MAX_CPU_ISA. Under such a cap bf16 matmuls are
+# emulated even on an AMX CPU. Its ISAs from low to high (lower-case; aliases side by side), and
+# per bf16 flag the lowest ISA with which oneDNN uses that instruction. (ATen's ATEN_CPU_CAPABILITY
+# caps only its element-wise kernels; bf16 matmuls stay native under it.)
+_ONEDNN_ISA_ORDER = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni",
+                     "avx512_core_bf16", "avx10_1_512", "avx512_core_fp16", "avx10_1_512_amx",
+                     "avx512_core_amx", "avx10_1_512_amx_fp16", "avx512_core_amx_fp16", "default")
+_ONEDNN_NEEDS = {"avx512_bf16": "avx512_core_bf16", "amx_bf16": "avx10_1_512_amx"}
 
 
 @dataclass(frozen=True)
@@ -29,6 +39,10 @@ class Machine:
     cuda_bf16: bool = False  # the CUDA device computes bf16 natively (Ampere and later)
     local_ranks: int = 1     # trainer processes sharing this machine's cores
     cpu_model: str = ""
+    # Set when ONEDNN_MAX_CPU_ISA keeps the matmul kernels below the CPU's flags:
+    # the bf16 flags that cap hides, and the setting that hides them (for the reason line).
+    isa_cap: str = ""
+    capped_flags: FrozenSet[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -58,15 +72,27 @@ def _cpu_model(cpuinfo: str) -> str:
     return ""
 
 
-def _usable_cores() -> int:
+def usable_core_ids() -> List[int]:
+    """The cores this process may run on (its affinity: a cpuset, `taskset`), sorted."""
     try:
-        return len(os.sched_getaffinity(0)) or 1
+        return sorted(os.sched_getaffinity(0)) or [0]
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def kernel_isa_cap(flags: FrozenSet[str], onednn_max_isa: str = "") -> FrozenSet[str]:
+    """The bf16 flags of `flags` that oneDNN does not use under ONEDNN_MAX_CPU_ISA=`onednn_max_isa`;
+    pure. Unset, "default" or a value oneDNN does not know (it ignores those) hides nothing."""
+    isa = onednn_max_isa.strip().lower()
+    if isa not in _ONEDNN_ISA_ORDER:
+        return frozenset()
+    rank = _ONEDNN_ISA_ORDER.index(isa)
+    return frozenset(f for f, need in _ONEDNN_NEEDS.items() if f in flags and rank < _ONEDNN_ISA_ORDER.index(need))
 
 
 def probe(local_ranks: int = 1, cpuinfo_path: str = "/proc/cpuinfo") -> Machine:
-    """Describe this machine: CPU flags (from /proc/cpuinfo), usable cores, CUDA and its bf16."""
+    """Describe this machine: CPU flags (from /proc/cpuinfo), usable cores, CUDA and its bf16, and
+    oneDNN's ISA cap when this process sets one (ONEDNN_MAX_CPU_ISA)."""
     import torch
 
     try:
@@ -75,13 +101,22 @@ def probe(local_ranks: int = 1, cpuinfo_path: str = "/proc/cpuinfo") -> Machine:
     except OSError:  # no /proc (macOS): no flags known, so no bf16 assumed
         cpuinfo = ""
     cuda = torch.cuda.is_available()
-    return Machine(cpu_flags=_cpu_flags(cpuinfo), cpu_count=_usable_cores(), cuda=cuda,
+    flags = _cpu_flags(cpuinfo)
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
+    capped = kernel_isa_cap(flags, isa)
+    cap = f"ONEDNN_MAX_CPU_ISA={isa.strip()}" if capped else ""
+    return Machine(cpu_flags=flags, cpu_count=len(usable_core_ids()), cuda=cuda,
                    cuda_bf16=bool(cuda and torch.cuda.is_bf16_supported()),
-                   local_ranks=max(1, int(local_ranks)), cpu_model=_cpu_model(cpuinfo))
+                   local_ranks=max(1, int(local_ranks)), cpu_model=_cpu_model(cpuinfo),
+                   isa_cap=cap, capped_flags=capped)
+
+
+def _native_bf16_flags(m: Machine) -> List[str]:
+    return [flag for flag in BF16_CPU_FLAGS if flag in m.cpu_flags and flag not in m.capped_flags]
 
 
 def cpu_has_native_bf16(m: Machine) -> bool:
-    return any(flag in m.cpu_flags for flag in BF16_CPU_FLAGS)
+    return bool(_native_bf16_flags(m))
 
 
 def _bf16_verdict(m: Machine) -> tuple[bool, str]:
@@ -89,9 +124,12 @@ def _bf16_verdict(m: Machine) -> tuple[bool, str]:
         if m.cuda_bf16:
             return True, "CUDA device computes bf16 natively"
         return False, "CUDA device has no native bf16"
-    found = [flag for flag in BF16_CPU_FLAGS if flag in m.cpu_flags]
+    found = _native_bf16_flags(m)
     if found:
         return True, f"CPU has {'/'.join(found)}, bf16 is native"
+    if m.capped_flags:
+        return False, (f"CPU has {'/'.join(sorted(m.capped_flags))} but {m.isa_cap} keeps the kernels below it, "
+                       "bf16 would be emulated")
     return False, "CPU has no AMX/AVX512-BF16, bf16 would be emulated"
 
 
@@ -161,15 +199,25 @@ def describe(m: Machine) -> str:
     flags = [f for f in BF16_CPU_FLAGS + ("avx512f", "avx2") if f in m.cpu_flags]
     cuda = ("CUDA with bf16" if m.cuda_bf16 else "CUDA without bf16") if m.cuda else "no CUDA"
     model = f"{m.cpu_model}, " if m.cpu_model else ""
-    return (f"machine: {model}{m.cpu_count} usable cores, CPU flags [{' '.join(flags) or 'none of interest'}], "
+    cap = f", kernels capped by {m.isa_cap}" if m.isa_cap else ""
+    return (f"machine: {model}{m.cpu_count} usable cores, CPU flags [{' '.join(flags) or 'none of interest'}]{cap}, "
             f"{cuda}, {m.local_ranks} local rank(s)")
 
 
-def cpu_core_range(cpu_count: int, local_rank: int, local_world: int) -> str:
-    """The cores ("lo-hi") a rank's vLLM engine binds to: an even share per local rank."""
-    per = max(1, cpu_count // max(local_world, 1))
-    lo = (local_rank * per) % max(cpu_count, 1)
-    return f"{lo}-{lo + per - 1}" if per > 1 else f"{lo}"
+def cpu_core_range(cores: Sequence[int], local_rank: int, local_world: int) -> str:
+    """The cores a rank's vLLM engine binds to (VLLM_CPU_OMP_THREADS_BIND): an even share per local
+    rank of the cores this process may use (`cores`, e.g. `usable_core_ids()`), as "lo-hi" when they
+    are consecutive, else a comma list. Never a core outside `cores`: binding there would escape a
+    cpuset or `taskset`."""
+    cores = sorted(int(c) for c in cores) or [0]
+    per = max(1, len(cores) // max(local_world, 1))
+    start = (local_rank * per) % len(cores)
+    share = cores[start:start + per]
+    if len(share) == 1:
+        return str(share[0])
+    if share == list(range(share[0], share[-1] + 1)):
+        return f"{share[0]}-{share[-1]}"
+    return ",".join(str(c) for c in share)
 
 
 def local_world_size(default: Optional[int] = None) -> int:

@@ -22,7 +22,7 @@ from typing import List, Mapping, Optional, Sequence
 
 import torch
 
-from dsrl.hardware import cpu_core_range
+from dsrl.hardware import cpu_core_range, usable_core_ids
 from dsrl.tracking.progress import progress
 
 
@@ -48,7 +48,7 @@ def _cpu_env(kv_cache_gib: int, local_rank: int, local_world: int) -> dict:
     """vLLM-CPU settings read by the engine process at start-up."""
     return {
         "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
-        "VLLM_CPU_OMP_THREADS_BIND": cpu_core_range(os.cpu_count() or 1, local_rank, local_world),
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_core_range(usable_core_ids(), local_rank, local_world),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         # An engine inside a Ray actor (dsrl.rollout.ray_engines) has that process to itself: run it
         # in-process there (starts ~10x faster, one process per engine, dies with its actor).

@@ -116,14 +116,21 @@ def test_backbone_is_the_policys_and_values_align_with_target_columns(critic0, t
         torch.testing.assert_close(values[i, P - 1:P - 1 + R], expected, rtol=1e-5, atol=1e-6)
         assert values[i, :P - 1].abs().sum() == 0 and values[i, P - 1 + R:].abs().sum() == 0  # off the mask
     # Causality: changing response token 2 of sample 0 (position P+2) leaves columns <= P+1 as they
-    # were (those states do not contain it) and changes column P+2 (the state after it).
+    # were (those states do not contain it) and changes column P+2 (the state after it). Like is
+    # compared with like: the same batch, same shape, only that one token differs, so every kernel
+    # runs the same blocking and reduction order; the earlier columns must then be equal bit for bit
+    # (a masked key adds exp(-inf) * v = 0 exactly). A batch of another shape may round differently
+    # (oneDNN picks its blocking by shape: a 1-row batch differed from the 3-row one on AMX).
     s = samples[0]
     changed = Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids[:2] + [7] + s.response_ids[3:],
                      rollout_log_probs=s.rollout_log_probs, group=0, index=0)
-    (v2,) = critic0.values([collate([changed], pad_id=0)])
+    assert changed.response_ids != s.response_ids
+    (v2,) = critic0.values([collate([changed] + samples[1:], pad_id=0)])
+    assert v2.shape == values.shape
     P = len(s.prompt_ids)
     assert torch.equal(v2[0, :P + 2], values[0, :P + 2])
     assert v2[0, P + 2] != values[0, P + 2]
+    assert torch.equal(v2[1:], values[1:])  # the other rows never see row 0
 
 
 def test_shared_prompt_layout_gives_the_dense_values(critic0):

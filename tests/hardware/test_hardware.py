@@ -126,6 +126,11 @@ def test_probe_of_this_machine_matches_proc_cpuinfo():
     with open("/proc/cpuinfo") as f:
         text = f.read()
     native = bool(re.search(r"^flags\s*:.*\b(amx_bf16|avx512_bf16)\b", text, re.M))
+    # A oneDNN cap below AVX512_CORE_BF16 (README: running the suite on another kernel path)
+    # takes every bf16 instruction away.
+    below_bf16 = {"sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni"}
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower() in below_bf16:
+        native = False
     m = hardware.probe()
     assert hardware.cpu_has_native_bf16(m) == native
     assert m.cpu_count == len(os.sched_getaffinity(0))
@@ -134,9 +139,52 @@ def test_probe_of_this_machine_matches_proc_cpuinfo():
 
 
 def test_cpu_core_range():
-    assert hardware.cpu_core_range(2, 0, 1) == "0-1"
-    assert hardware.cpu_core_range(16, 1, 4) == "4-7"
-    assert hardware.cpu_core_range(2, 1, 2) == "1"
+    assert hardware.cpu_core_range([0, 1], 0, 1) == "0-1"
+    assert hardware.cpu_core_range(range(16), 1, 4) == "4-7"
+    assert hardware.cpu_core_range([0, 1], 1, 2) == "1"
+    # Only the cores this process may use (`taskset -c 1`, a cpuset): never one outside them.
+    assert hardware.cpu_core_range([1], 0, 1) == "1"
+    assert hardware.cpu_core_range([3, 1], 0, 2) == "1" and hardware.cpu_core_range([3, 1], 1, 2) == "3"
+    assert hardware.cpu_core_range([0, 2, 4, 5], 0, 1) == "0,2,4,5"
+    assert hardware.cpu_core_range([4, 5, 6, 7], 1, 2) == "6-7"
+
+
+def test_usable_core_ids_is_the_affinity():
+    assert hardware.usable_core_ids() == sorted(os.sched_getaffinity(0))
+
+
+AMX_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+
+
+@pytest.mark.parametrize("isa,hidden", [
+    ("", set()), ("DEFAULT", set()), ("not_an_isa", set()),
+    ("AVX2", {"amx_bf16", "avx512_bf16"}), ("avx512_core_vnni", {"amx_bf16", "avx512_bf16"}),
+    ("AVX512_CORE_BF16", {"amx_bf16"}), ("AVX512_CORE_FP16", {"amx_bf16"}),
+    ("AVX512_CORE_AMX", set()), ("avx10_1_512_amx", set()),
+])
+def test_onednn_isa_cap_hides_the_bf16_flags_above_it(isa, hidden):
+    assert hardware.kernel_isa_cap(AMX_FLAGS, isa) == hidden
+    assert hardware.kernel_isa_cap(frozenset({"avx2"}), isa) == frozenset()  # nothing to hide
+
+
+def test_capped_amx_machine_decides_float32_and_says_why(tmp_path, monkeypatch):
+    info = tmp_path / "cpuinfo"
+    info.write_text("model name\t: Xeon\nflags\t\t: avx2 avx512f avx512_bf16 amx_tile amx_bf16\n")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    m = hardware.probe(cpuinfo_path=str(info))
+    assert m.capped_flags == {"amx_bf16", "avx512_bf16"} and m.isa_cap == "ONEDNN_MAX_CPU_ISA=AVX2"
+    assert not hardware.cpu_has_native_bf16(m)
+    d = hardware.decide(Config(), m)[0]
+    assert (d.key, d.value) == ("model.dtype", "float32")
+    assert d.reason == "CPU has amx_bf16/avx512_bf16 but ONEDNN_MAX_CPU_ISA=AVX2 keeps the kernels below it, " \
+                       "bf16 would be emulated"
+    assert "kernels capped by ONEDNN_MAX_CPU_ISA=AVX2" in hardware.describe(m)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # AMX off, AVX512-BF16 still native
+    m = hardware.probe(cpuinfo_path=str(info))
+    assert hardware.decide(Config(), m)[0].value == "bfloat16"
+    assert "avx512_bf16" in hardware.decide(Config(), m)[0].reason
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert hardware.probe(cpuinfo_path=str(info)).capped_flags == frozenset()
 
 
 def test_local_world_size(monkeypatch):

@@ -53,9 +53,9 @@ def test_engines_are_placed_and_named(engines):
     assert engines.engine_alive()
     assert "Ray actor 'engine-1'" in engines.engines[1].describe() and "node " in engines.engines[1].describe()
     # Both on this node: each got its own share of the cores (2 cores: "0" and "1").
-    from dsrl.hardware import cpu_core_range
+    from dsrl.hardware import cpu_core_range, usable_core_ids
 
-    n = os.cpu_count()
+    n = usable_core_ids()
     assert [e.cores for e in engines.engines] == [cpu_core_range(n, 0, 2), cpu_core_range(n, 1, 2)]
 
 
