@@ -92,7 +92,7 @@ def measure_memory(overrides, rank, mode) -> dict:
     from dsrl.actor.engine import ActorEngine
     from dsrl.config.schema import to_config
     from dsrl.loss.registry import get_objective
-    from dsrl.loss.types import Aggregator
+    from dsrl.loss.types import Reduction
     from dsrl.setup_assets import default_cache_dir, resolve_model_path
 
     extra = [f"actor.lora.rank={rank}"] if mode == "lora" else []
@@ -117,7 +117,7 @@ def measure_memory(overrides, rank, mode) -> dict:
         for j, chunk in enumerate(chunks):
             mb = collate(chunk, pad_id=0)
             mb["advantages"] = torch.randn(mb["loss_mask"].shape, generator=g) * mb["loss_mask"]
-            reduce = Aggregator.build("token-mean", mb["loss_mask"], global_tokens=float(n * cfg.rollout.max_new_tokens))
+            reduce = Reduction("token-mean", global_tokens=float(n * cfg.rollout.max_new_tokens))
             actor.forward_backward(mb, get_objective("ppo"), {}, reduce, reuse_training_logprobs=True,
                                    is_last=j == len(chunks) - 1)
         actor.optimizer_step()

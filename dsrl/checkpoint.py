@@ -43,7 +43,7 @@ _PREFIX = "step-"
 RESUME_SAFE = ("name", "logger.", "trainer.total_steps", "trainer.save_every", "trainer.keep_checkpoints",
                "trainer.resume", "trainer.resume_from", "trainer.eval_before", "trainer.eval_after",
                "trainer.save_final", "trainer.check_rank_sync", "trainer.max_skipped_steps",
-               "rollout.max_restarts", "rollout.timeout_s", "reward.timeout_s", "reward.retries",
+               "trainer.resume_exact", "rollout.max_restarts", "rollout.timeout_s", "reward.timeout_s", "reward.retries",
                "reward.concurrency", "rollout.sync_probe", "rollout.sync_tolerance", "rollout.sync_bucket_mb",
                "data.num_eval")
 
@@ -211,11 +211,29 @@ def config_record(cfg) -> dict:
     return json.loads(json.dumps(asdict(cfg), default=str))
 
 
-def check_resume_compatible(saved: dict, saved_world: int, cfg, folder: str) -> None:
-    """ConfigError naming every key whose change breaks exact resume."""
+# Machine-dependent keys (dsrl.hardware) and what a different resolved value changes.
+HARDWARE_EFFECT = {
+    "model.dtype": "the trainer's numbers", "rollout.dtype": "the sampled tokens and log-probs",
+    "model.attn_implementation": "the trainer's rounding", "actor.num_threads": "CPU kernels' rounding",
+    "rollout.enforce_eager": "the engine's kernels",
+}
+
+
+def check_resume_compatible(saved: dict, saved_world: int, cfg, folder: str, *, auto_now=(),
+                            auto_saved=None) -> None:
+    """ConfigError naming every key whose change breaks exact resume. A machine-dependent key
+    left on `auto` in both runs (`auto_now`: this run's; `auto_saved`: the checkpoint's, None for
+    a checkpoint written before they were recorded) is compared as the user wrote it, not as it
+    resolved: a different resolved value is one warning naming the key, or, with
+    trainer.resume_exact=true, refused."""
     from dsrl.config.schema import Config
 
     now, old = _flatten(config_record(cfg)), _flatten(saved)
+    moved = {k: (old.get(k), now.get(k)) for k in sorted(set(auto_now) & set(auto_saved or ()))
+             if now.get(k) != old.get(k)}
+    for k in moved:
+        now.pop(k, None)
+        old.pop(k, None)
     # A key the checkpoint does not know was added to dsrl after it was written: at its default
     # (which keeps the earlier behaviour) it changes nothing.
     defaults = _flatten(config_record(Config()))
@@ -224,6 +242,15 @@ def check_resume_compatible(saved: dict, saved_world: int, cfg, folder: str) -> 
                                                               for s in RESUME_SAFE)
                      and not (k not in old and k in defaults and now.get(k) == defaults[k]))
     problems = [f"{k}: {old.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in changed]
+    for k, (was, is_now) in moved.items():
+        effect = HARDWARE_EFFECT.get(k, "the numbers")
+        if cfg.trainer.resume_exact:
+            problems.append(f"{k}=auto: {was!r} in the checkpoint's run, {is_now!r} on this machine "
+                            f"(changes {effect}; trainer.resume_exact=true)")
+        else:
+            log.warning("resuming from %s: %s=auto resolves to %r on this machine, %r in the checkpoint's run; "
+                        "%s may differ from an uninterrupted run (trainer.resume_exact=true refuses this)",
+                        folder, k, is_now, was, effect)
     if saved_world != world_size():
         problems.append(f"world size: {saved_world} in the checkpoint, {world_size()} now")
     if problems:

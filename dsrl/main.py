@@ -100,7 +100,9 @@ def build(cfg_node: DictConfig, run_dir: str):
 
     cfg = to_config(cfg_node)
     validate(cfg)  # config errors surface here, before any model loads
-    _resolve_hardware(cfg, cfg_node)  # `auto` dtypes / kernels / threads, before any model loads
+    # `auto` dtypes / kernels / threads, before any model loads; which keys were auto goes into
+    # checkpoints (a resume on another machine compares the user's `auto`, not what it resolved to).
+    auto_keys = tuple(d.key for d in _resolve_hardware(cfg, cfg_node) if d.auto)
     decision = decide_reuse(cfg)
 
     import torch
@@ -132,7 +134,7 @@ def build(cfg_node: DictConfig, run_dir: str):
         init_distributed()
     torch.manual_seed(cfg.trainer.seed)
     torch.set_num_threads(cfg.actor.num_threads)  # resolved by dsrl.hardware
-    resume_point = _resume_point(cfg, run_dir)  # a config that breaks exact resume fails here
+    resume_point = _resume_point(cfg, run_dir, auto_keys)  # a config that breaks exact resume fails here
     if is_main_rank():
         OmegaConf.save(cfg_node, os.path.join(run_dir, "config.yaml"), resolve=True)
         log.info("run dir: %s | ranks: %d | model: %s", run_dir, world_size(), model_path)
@@ -143,7 +145,8 @@ def build(cfg_node: DictConfig, run_dir: str):
     # after the actor, whose module it shares (built in _build_trainer).
     worker = None if cfg.rollout.backend == "hf" else build_rollout(cfg, model_path, run_dir)
     try:
-        trainer = _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir)
+        trainer = _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir,
+                                 auto_keys)
         if resume_point is not None:
             trainer.restore(resume_point)
         return trainer
@@ -153,7 +156,7 @@ def build(cfg_node: DictConfig, run_dir: str):
         raise
 
 
-def _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir):
+def _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir, auto_keys=()):
     """The DeepSpeed engines (actor; reference, teacher and critic when needed) and the Trainer."""
     from dsrl.actor.critic import build_critic
     from dsrl.actor.engine import ActorEngine
@@ -191,12 +194,14 @@ def _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, 
         return apply_chat_template(tokenizer, p, cfg.data.system_prompt, cfg.data.chat_template)
 
     return Trainer(cfg, actor=actor, ref=ref, teacher=teacher, worker=worker, tokenizer=tokenizer, source=source,
-                   verifier=verifier, prompt_ids_fn=prompt_ids, decision=decision, run_dir=run_dir, critic=critic)
+                   verifier=verifier, prompt_ids_fn=prompt_ids, decision=decision, run_dir=run_dir, critic=critic,
+                   hardware_auto=auto_keys)
 
 
-def _resume_point(cfg, run_dir: str):
+def _resume_point(cfg, run_dir: str, auto_keys=()):
     """The checkpoint folder to continue from (None: start fresh). Checked against the config
-    before any model loads: a change that breaks exact resume is a ConfigError naming the keys."""
+    before any model loads: a change that breaks exact resume is a ConfigError naming the keys.
+    `auto_keys`: the machine-dependent keys this run left on auto (dsrl.hardware)."""
     from dsrl.checkpoint import check_resume_compatible, find_latest, read_shared_state
 
     if cfg.trainer.resume == "off":
@@ -212,7 +217,8 @@ def _resume_point(cfg, run_dir: str):
             log.warning("trainer.resume_from=%s holds no complete checkpoint: starting fresh", source)
         return None
     shared = read_shared_state(folder)
-    check_resume_compatible(shared["config"], shared["world_size"], cfg, folder)
+    check_resume_compatible(shared["config"], shared["world_size"], cfg, folder, auto_now=auto_keys,
+                            auto_saved=shared.get("hardware_auto"))
     return folder
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

@@ -34,7 +34,7 @@ from dsrl.loss.advantages import compute_advantages
 from dsrl.loss.options import objective_config
 from dsrl.loss.registry import get_objective
 from dsrl.loss.skip import zero_advantage_skip
-from dsrl.loss.types import Aggregator
+from dsrl.loss.types import Reduction
 from dsrl.registry import load_callable
 from dsrl.rollout.seeds import request_seeds
 from dsrl.rollout.dynamic import Rollout, collect_rollout
@@ -76,11 +76,12 @@ class StepCounts(NamedTuple):
 
 class Trainer:
     def __init__(self, cfg: Config, *, actor, ref, worker, tokenizer, source, verifier, prompt_ids_fn,
-                 decision: ReuseDecision, run_dir: str, teacher=None, critic=None):
+                 decision: ReuseDecision, run_dir: str, teacher=None, critic=None, hardware_auto=()):
         self.cfg, self.actor, self.ref, self.teacher, self.worker = cfg, actor, ref, teacher, worker
         self.critic = critic  # gae's value model (dsrl.actor.critic.CriticEngine); None for every other estimator
         self.tokenizer, self.source, self.verifier, self.prompt_ids = tokenizer, source, verifier, prompt_ids_fn
         self.decision, self.run_dir = decision, run_dir
+        self.hardware_auto = tuple(hardware_auto)  # keys dsrl.hardware resolved from `auto` (kept in checkpoints)
         # Raises/hangs: reward 0, counted; up to reward.concurrency calls in flight.
         self.verifier = RewardGuard.wrap(verifier, cfg.reward.timeout_s, cfg.reward.concurrency)
         self.skips = SkipCounter(cfg.trainer.max_skipped_steps)  # non-finite optimizer steps
@@ -158,7 +159,8 @@ class Trainer:
             **({"critic": self.critic} if self.critic is not None else {}),  # gae: the critic's DeepSpeed state
             rank_state={"prompt_rng": self.rng.getstate(), "skips": self.skips.state_dict(),
                         "critic_skips": self.critic_skips.state_dict(), "next_rollout": self._next_rollout_state()},
-            shared={"metrics": self.logger.history, "config": config_record(self.cfg)})
+            shared={"metrics": self.logger.history, "config": config_record(self.cfg),
+                    "hardware_auto": list(self.hardware_auto)})
         if is_main_rank():
             log.info("checkpoint of step %d: %s (%.1f s)", step, folder, seconds)
         return folder
@@ -446,11 +448,9 @@ class Trainer:
         while len(mbs) < n_mb:
             mbs.append(empty_microbatch(self.pad_id, CRITIC_FIELDS))
 
-        def reduce_for(mb: dict) -> Aggregator:
-            return Aggregator.build(a.loss_agg_mode, mb["loss_mask"], global_tokens=tokens, global_seqs=seqs,
-                                    norm_len=float(self.cfg.rollout.max_new_tokens))
-
-        metrics = self.critic.train_step(mbs, self.algo, reduce_for, loss=self.cfg.critic.loss)
+        reduction = Reduction(a.loss_agg_mode, global_tokens=tokens, global_seqs=seqs,
+                              norm_len=float(self.cfg.rollout.max_new_tokens))
+        metrics = self.critic.train_step(mbs, self.algo, reduction, loss=self.cfg.critic.loss)
         self.critic_skips.record(self.critic.last_step_skipped)
         return metrics
 
@@ -509,10 +509,9 @@ class Trainer:
                 spec, config = self._objective_for(mb)
                 if "sampling_logprobs" in spec.required_inputs:  # Tinker's sampler log-probs q
                     mb["sampling_logprobs"] = mb["rollout_log_probs"]
-                reduce = Aggregator.build(spec.aggregation or a.loss_agg_mode, mb["loss_mask"],
-                                          global_tokens=counts.tokens, global_seqs=counts.seqs,
-                                          norm_len=float(self.cfg.rollout.max_new_tokens))
-                out = self.actor.forward_backward(mb, spec, config, reduce,
+                reduction = Reduction(spec.aggregation or a.loss_agg_mode, global_tokens=counts.tokens,
+                                      global_seqs=counts.seqs, norm_len=float(self.cfg.rollout.max_new_tokens))
+                out = self.actor.forward_backward(mb, spec, config, reduction,
                                                   reuse_training_logprobs=self.decision.reuse,
                                                   is_last=i == len(microbatches) - 1)
                 for n, v in out.metrics.items():

@@ -23,7 +23,7 @@ from dsrl.actor.engine import _DTYPES, build_ds_config, init_distributed
 from dsrl.actor.nonfinite import guarded_step
 from dsrl.actor.optim import adamw, skip_single_rank_allreduce
 from dsrl.actor.shared_prompt import additive_mask, is_shared_prompt_batch
-from dsrl.loss.types import Aggregator
+from dsrl.loss.types import Reduction
 from dsrl.loss.value import ValueLoss, ValueLossInputs, finish_value_metrics, get_value_loss
 
 _DS_TAG = "critic"  # sub-folder of a dsrl checkpoint holding the critic's DeepSpeed files
@@ -139,10 +139,12 @@ class CriticEngine:
         return to_host(out)
 
     # ------------------------------------------------------------------ training
-    def forward_backward(self, mb: Mapping, loss_fn: ValueLoss, config: Mapping, reduce: Aggregator, *,
+    def forward_backward(self, mb: Mapping, loss_fn: ValueLoss, config: Mapping, reduction: Reduction, *,
                          is_last: bool = True):
-        """One microbatch: values, value loss (fixed inputs: returns, old_values), backward."""
+        """One microbatch: values, value loss (fixed inputs: returns, old_values), backward; the
+        reducer is built from the loss mask on this engine's device."""
         mb = to_device(mb, self.engine.device)
+        reduce = reduction.build(mb["loss_mask"])
         v = self._values(mb)
         fixed = {k: mb[k] for k in ("returns", "old_values") if k in mb}
         out = loss_fn(ValueLossInputs(values=v, mask=mb["loss_mask"], batch=fixed, config=config, reduce=reduce))
@@ -152,10 +154,10 @@ class CriticEngine:
         return out
 
     def train_step(self, microbatches: List[Mapping], config: Mapping,
-                   reduce_for: Callable[[Mapping], Aggregator], *, loss: str = "clipped") -> dict:
+                   reduction: Reduction, *, loss: str = "clipped") -> dict:
         """One critic optimizer step over this rank's microbatches (every rank the same number:
-        pad with empty ones, as the actor's). `reduce_for(mb)` builds each microbatch's Aggregator
-        from the step's global counts. Returns global metrics (collective): critic/value_loss,
+        pad with empty ones, as the actor's). `reduction`: the mode and the step's global counts,
+        from which each microbatch's reducer is built on this engine's device. Returns global metrics (collective): critic/value_loss,
         critic/value_clipfrac, critic/explained_variance, critic/values, critic/returns,
         critic/grad_norm."""
         from dsrl.distributed.collectives import all_reduce_sum
@@ -163,8 +165,7 @@ class CriticEngine:
         loss_fn = get_value_loss(loss)
         sums: dict = {}
         for i, mb in enumerate(microbatches):
-            mb = to_device(mb, self.engine.device)  # the Aggregator's mask on the values' device
-            out = self.forward_backward(mb, loss_fn, config, reduce_for(mb), is_last=i == len(microbatches) - 1)
+            out = self.forward_backward(mb, loss_fn, config, reduction, is_last=i == len(microbatches) - 1)
             for name, value in out.metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value)
         grad_norm = self.optimizer_step()

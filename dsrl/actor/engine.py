@@ -5,7 +5,8 @@ the training microbatch (forward -> objective from the loss registry -> backward
 export (full weights gathered under ZeRO-3) for the rollout push and the final checkpoint.
 
 Gradient scaling: objectives return *partial sums* that add up across microbatches and ranks
-to the global loss (see dsrl.loss.types.Aggregator). DeepSpeed averages gradients over
+to the global loss (see dsrl.loss.types.Aggregator; callers pass a `Reduction`, the counts,
+and the engine builds the reducer on its device). DeepSpeed averages gradients over
 data-parallel ranks, so `backward` multiplies the loss by the DP world size; gradient
 accumulation is driven manually (`set_gradient_accumulation_boundary`) with GAS=1, so
 DeepSpeed applies no 1/GAS factor. The parameter gradient is therefore exactly the gradient
@@ -26,7 +27,8 @@ from dsrl.actor.shared_prompt import FORWARD_KEYS, additive_mask, head_rows, is_
 from dsrl.actor.stochastic import apply_dropout_knobs
 from dsrl.distributed.ports import free_port
 from dsrl.loss.registry import ObjectiveSpec
-from dsrl.loss.types import Aggregator, LossInputs, LossOutput
+from dsrl.config.reuse import ReuseInvariantError
+from dsrl.loss.types import LossInputs, LossOutput, Reduction
 
 _DS_TAG = "deepspeed"  # sub-folder of a dsrl checkpoint holding DeepSpeed's files
 LORA_ADAPTER_DIR = "adapter"  # actor.lora: sub-folder of a saved HF folder holding the PEFT adapter
@@ -110,6 +112,9 @@ class ActorEngine:
         self._open_accumulation = False  # a backward ran with is_last=False since the last step
         self._nonfinite_loss = False  # a microbatch loss since the last step was NaN/inf on this rank
         self.last_step_skipped = False  # the last optimizer_step() skipped a non-finite step
+        # Optimizer steps applied since the rollout engine last got these weights (weights_pushed):
+        # under reuse the training forward must run the rollout's policy, so it must be 0 there.
+        self.steps_since_push = 0
         hf_config = AutoConfig.from_pretrained(model_path)
         # dsrl's two dropout knobs go onto the HF fields of the same name and nothing else; the
         # model's other dropout/noise fields stay as its config says (the reuse decision names them).
@@ -221,12 +226,17 @@ class ActorEngine:
         return to_host(out)  # the trainer keeps scored log-probs on the host
 
     # ------------------------------------------------------------------ training
-    def forward_backward(self, mb: Mapping, objective: ObjectiveSpec, config: Mapping, reduce: Aggregator, *,
+    def forward_backward(self, mb: Mapping, objective: ObjectiveSpec, config: Mapping, reduction: Reduction, *,
                          reuse_training_logprobs: bool = False, is_last: bool = True,
                          forward_only: bool = False, loss_scale: Optional[float] = None) -> LossOutput:
-        """One microbatch: forward, objective, backward. `loss_scale` defaults to the DP world
-        size (undoes DeepSpeed's gradient averaging; see module docstring)."""
+        """One microbatch: forward, objective, backward. `reduction` gives the aggregation mode
+        and the step's global counts; the reducer is built here, from the loss mask on this
+        engine's device. `loss_scale` defaults to the DP world size (undoes DeepSpeed's gradient
+        averaging; see module docstring)."""
+        if reuse_training_logprobs:
+            self._check_reuse_evidence(forward_only)
         mb = to_device(mb, self.engine.device)  # host -> engine device (DeepSpeed does not move inputs)
+        reduce = reduction.build(mb["loss_mask"])
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_ctx:
             # Entropy always comes from the training forward (a metric even when not weighted).
@@ -237,6 +247,10 @@ class ActorEngine:
             inputs = LossInputs(log_probs=lp, mask=mb["loss_mask"], batch=fixed, config=config, reduce=reduce,
                                 entropy=ent, reuse_training_logprobs=reuse_training_logprobs,
                                 sample_indices=mb.get("sample_indices"))
+            if reuse_training_logprobs and not lp.requires_grad:
+                raise ReuseInvariantError("reuse_training_logprobs: the training forward's log-probs carry no "
+                                          "gradient (a no-grad context or a frozen model), so they are no "
+                                          "training forward to reuse")
             out = objective.fn(inputs)
             if "rollout_log_probs" in mb:
                 # Trainer-vs-rollout-engine agreement on these exact tokens (weight-push check).
@@ -253,6 +267,30 @@ class ActorEngine:
             # never know which forward_backward is the last before optim_step).
             self._open_accumulation = not is_last
         return out
+
+    def _check_reuse_evidence(self, forward_only: bool) -> None:
+        """Runtime evidence that the training forward is the old-policy pass (reuse), checked on
+        the engine itself, not restated from the config: no optimizer step since the rollout's
+        weights were pushed, a forward with gradient, and (once per accumulation window) no
+        submodule in train mode that makes the forward random."""
+        if forward_only:
+            raise ReuseInvariantError("reuse_training_logprobs with forward_only: there is no training forward")
+        if self.steps_since_push:
+            raise ReuseInvariantError(
+                f"reuse_training_logprobs: {self.steps_since_push} optimizer step(s) since the rollout engine "
+                "got these weights (weights_pushed), so the training forward is not the rollout's policy")
+        if not self._open_accumulation:
+            from dsrl.actor.stochastic import live_stochastic_modules
+
+            live = live_stochastic_modules(self.module)
+            if live:
+                raise ReuseInvariantError(
+                    "reuse_training_logprobs: the training forward is random (train mode with "
+                    f"{', '.join(live[:5])}{' ...' if len(live) > 5 else ''}), so it differs from the old-policy pass")
+
+    def weights_pushed(self) -> None:
+        """The rollout engine(s) now hold these weights (dsrl.rollout.weight_sync calls it)."""
+        self.steps_since_push = 0
 
     def _close_accumulation_window(self) -> None:
         """Make the accumulated local gradients step-ready without another backward: the
@@ -278,6 +316,8 @@ class ActorEngine:
         self._close_accumulation_window()
         bad_loss, self._nonfinite_loss = self._nonfinite_loss, False
         norm, self.last_step_skipped = guarded_step(self.engine, self.zero_stage, bad_loss)
+        if not self.last_step_skipped:
+            self.steps_since_push += 1
         return norm
 
     def set_optimizer_hparams(self, *, lr=None, betas=None, eps=None, weight_decay=None, grad_clip=None) -> None:

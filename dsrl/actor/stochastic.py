@@ -78,21 +78,26 @@ def stochastic_config_fields(hf_config: Any) -> List[str]:
             if is_stochastic_name(name.rsplit(".", 1)[-1]) and _blocking_value(value)]
 
 
+def _findings(qual: str, mod: torch.nn.Module) -> List[str]:
+    """What in `mod` itself (not its children) makes a forward random, as labels."""
+    label, kind = qual or "<root>", type(mod).__name__
+    if isinstance(mod, torch.nn.modules.dropout._DropoutNd) and mod.p > 0:
+        return [f"{label} ({kind} p={mod.p})"]
+    return [f"{label} ({kind} {attr}={value})" for attr, value in vars(mod).items()
+            if not attr.startswith("_") and is_stochastic_name(attr) and _blocking_value(value)]
+
+
 def stochastic_modules(module: torch.nn.Module) -> List[str]:
     """Every submodule that is a torch dropout layer with p > 0, or that holds a public numeric
     attribute with a stochastic name and a blocking value (e.g. Llama's `attention_dropout`,
     Mixtral's `jitter_noise`), as "qualified.name (Type p=...)" / "(Type attr=...)"."""
-    found = []
-    for qual, mod in module.named_modules():
-        label = qual or "<root>"
-        kind = type(mod).__name__
-        if isinstance(mod, torch.nn.modules.dropout._DropoutNd) and mod.p > 0:
-            found.append(f"{label} ({kind} p={mod.p})")
-            continue
-        for attr, value in vars(mod).items():
-            if not attr.startswith("_") and is_stochastic_name(attr) and _blocking_value(value):
-                found.append(f"{label} ({kind} {attr}={value})")
-    return found
+    return [f for qual, mod in module.named_modules() for f in _findings(qual, mod)]
+
+
+def live_stochastic_modules(module: torch.nn.Module) -> List[str]:
+    """`stochastic_modules` restricted to submodules in train mode: what makes *this* forward
+    random (an eval-mode dropout layer is the identity)."""
+    return [f for qual, mod in module.named_modules() if mod.training for f in _findings(qual, mod)]
 
 
 def apply_dropout_knobs(hf_config: Any, *, attention_dropout: float, hidden_dropout: float) -> List[str]:

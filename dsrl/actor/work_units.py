@@ -37,7 +37,7 @@ from dsrl.actor.batch import empty_microbatch
 from dsrl.distributed.collectives import all_reduce_
 from dsrl.loss import tinker as tinker_losses
 from dsrl.loss.registry import OBJECTIVES, ObjectiveSpec
-from dsrl.loss.types import Aggregator
+from dsrl.loss.types import Reduction
 
 
 @dataclass
@@ -261,16 +261,16 @@ class TrainingSession:
             else:
                 mb = empty_microbatch(self.pad_id, pad_keys)
                 mb["datum_lengths"] = [1]
-            reduce = Aggregator.build("sum", mb["loss_mask"])
-            out = self.engine.forward_backward(mb, spec, config, reduce, is_last=False, forward_only=forward_only)
+            out = self.engine.forward_backward(mb, spec, config, Reduction("sum"), is_last=False,
+                                               forward_only=forward_only)
             if k >= n_local:
                 continue
             loss_sum += out.metrics["loss:sum"].detach().to("cpu", torch.float64)
             for rec in out.per_datum:
                 i = int(rec["sample_index"])
-                outputs[i] = {"logprobs": rec["logprobs"].to(torch.float32).clone()}
+                outputs[i] = {"logprobs": rec["logprobs"].to("cpu", torch.float32).clone()}  # host, whatever the device
                 if rec.get("elementwise_loss") is not None:  # a custom objective may not give it
-                    outputs[i]["elementwise_loss"] = rec["elementwise_loss"].to(torch.float32).clone()
+                    outputs[i]["elementwise_loss"] = rec["elementwise_loss"].to("cpu", torch.float32).clone()
         if multi:
             all_reduce_(loss_sum, op=dist.ReduceOp.SUM)
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": float(loss_sum.item())})

@@ -363,6 +363,10 @@ class TrainerConfig:
     resume: str = "auto"
     # Run folder to resume from (null = this run's folder, e.g. hydra.run.dir=<old run>).
     resume_from: Optional[str] = None
+    # A setting left on `auto` (dtype, attention, threads, eager; dsrl/hardware.py) may resolve
+    # differently on the machine that resumes (a requeued job): false = go on, one warning per
+    # changed key; true = refuse, naming it (the resumed steps would not equal an uninterrupted run).
+    resume_exact: bool = False
 
 
 @dataclass

@@ -59,7 +59,8 @@ def join(address: str, *, leader: bool, num_cpus: Optional[int] = None) -> RayCl
     """Connect this rank to the run's Ray cluster (collective over the trainer ranks).
 
     `address`: "local" (the leader starts a private cluster with `num_cpus` logical CPUs), "auto"
-    (the cluster `ray start` made on this machine, or RAY_ADDRESS), or "host:port" / "ray://...".
+    (the cluster `ray start` made on this machine, or RAY_ADDRESS; with neither, a private one as
+    for "local"), or "host:port" / "ray://...".
     A failure on the leader is raised on every rank, so no rank waits for a cluster that never
     comes."""
     import ray
@@ -89,6 +90,11 @@ def _leader_connect(address: str, num_cpus: Optional[int]) -> RayCluster:
     import ray
 
     namespace = f"dsrl-{uuid.uuid4().hex[:12]}"
+    if address == "auto" and not os.environ.get("RAY_ADDRESS") and not _local_cluster_running():
+        # As ray.init() does with no address: nothing to join here, so the run gets its own.
+        log.info("rollout.ray_address=auto: no Ray cluster runs on this machine (no `ray start`, RAY_ADDRESS "
+                 "unset): starting a private one for this run (rollout.ray_address=HOST:PORT joins another)")
+        address = "local"
     if address == "local":
         # A private cluster: never attach to one named by the environment.
         if os.environ.pop("RAY_ADDRESS", None) is not None:
@@ -107,3 +113,10 @@ def _leader_connect(address: str, num_cpus: Optional[int]) -> RayCluster:
     gcs = ray.get_runtime_context().gcs_address
     log.info("Ray cluster %s (namespace %s%s)", gcs, namespace, ", private" if started else "")
     return RayCluster(address=gcs, namespace=namespace, leader=True, started_local=started, temp_dir=tmp)
+
+
+def _local_cluster_running() -> bool:
+    """A `ray start` on this machine left its address where `ray.init(address="auto")` reads it."""
+    from ray._private.services import find_bootstrap_address, find_gcs_addresses
+
+    return bool(find_gcs_addresses()) or find_bootstrap_address(None) is not None

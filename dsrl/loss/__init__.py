@@ -14,7 +14,7 @@ from dsrl.loss.registry import (  # noqa: F401
     register_objective,
     uses_kl_in_reward,
 )
-from dsrl.loss.types import Aggregator, LossInputs, LossOutput  # noqa: F401
+from dsrl.loss.types import Aggregator, LossInputs, LossOutput, Reduction  # noqa: F401
 
 # Built-in plug-ins: each registers itself on import.
 from dsrl.loss import objectives, advantages, tinker  # noqa: F401,E402  (isort: skip)

@@ -52,7 +52,24 @@ class Aggregator:
             w = torch.full((b,), 1.0 / (max(global_seqs, 1.0) * norm_len))
         else:
             raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {AGG_MODES}")
-        return Aggregator(mask=mask, seq_weight=w.to(mask.device))
+        return Aggregator(mask=mask, seq_weight=w.to(mask.device))  # one place builds it: on the mask's device
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """What an engine needs to build a microbatch's `Aggregator`: the mode and the step's global
+    counts (all ranks, all microbatches). Callers hand engines this, never a reducer: the engine
+    builds the `Aggregator` from the microbatch's loss mask once that mask is on its device, so
+    the reducer's tensors live where the objective's do (a host mask under CUDA is a crash)."""
+
+    mode: str
+    global_tokens: float = 0.0
+    global_seqs: float = 0.0
+    norm_len: float = 0.0
+
+    def build(self, mask: torch.Tensor) -> Aggregator:
+        return Aggregator.build(self.mode, mask, global_tokens=self.global_tokens, global_seqs=self.global_seqs,
+                                norm_len=self.norm_len)
 
 
 @dataclass

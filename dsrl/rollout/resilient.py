@@ -167,8 +167,16 @@ class ResilientWorker:
         self.total_restarts += 1
         if self._pushed and self._staging is not None and self._staging.refs:
             self._attempt(self.worker.load_shared_weights, self._staging.refs)
-        elif self._pushed:
-            self._attempt(self.worker.reload_pushed_weights)
+        elif self._pushed and not self._attempt(self.worker.reload_pushed_weights):
+            # The pushed weights did not survive the old engine (a CUDA IPC push lives in the dead
+            # engine's memory): the new one would serve the initial weights, and its samples would
+            # be trained on as on-policy. Stop, naming the engine, instead.
+            self.worker.kill()
+            self.worker = None
+            raise RolloutEngineError(
+                f"{self.name}: the engine was rebuilt but cannot load the trainer's last pushed weights "
+                "again (pushed through CUDA IPC, which a new engine cannot re-read); stopping rather than "
+                "sampling from its initial weights. Resume from the last checkpoint.")
         if self._adapter is not None:
             self._attempt(self.worker.load_adapter, *self._adapter)
         log.warning("%s: restarted in %.1f s", self.name, time.perf_counter() - t0)

@@ -137,6 +137,7 @@ class WeightSync:
                                     self.bucket_bytes, alloc=alloc))
         nbytes, count = sum(b.nbytes for b in buckets), len(buckets)
         self.worker.push_weights(buckets, step)
+        self.actor.weights_pushed()
         del buckets
         seconds = time.perf_counter() - t0
         metrics = {"timing/sync_seconds": all_reduce_max(seconds), "rollout/sync_bytes": float(nbytes),
@@ -181,6 +182,7 @@ class WeightSync:
         from dsrl.distributed.collectives import all_reduce_max
 
         out = self.adapter_sync.push(step)
+        self.actor.weights_pushed()
         metrics = {"timing/sync_seconds": all_reduce_max(out["seconds"]), "rollout/sync_bytes": out["bytes"],
                    "rollout/sync_buckets": out["buckets"]}
         return self._probe_on_schedule(step, metrics)

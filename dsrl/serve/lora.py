@@ -26,9 +26,10 @@ from typing import Dict, List, Mapping, Optional
 
 import torch
 
+from dsrl.actor.device import to_device
 from dsrl.actor.logprobs import token_logprobs
 from dsrl.actor.work_units import AdamParams, TrainingSession
-from dsrl.loss.types import LossInputs, LossOutput
+from dsrl.loss.types import LossInputs, LossOutput, Reduction
 from dsrl.serve.export import write_hf_folder
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -102,6 +103,11 @@ class LoraPool:
         self._groups: Dict[str, dict] = {}
         self.engine = PoolEngine(self)
         self.session = TrainingSession(self.engine, micro_batch_size, pad_id=pad_id)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the pool's model lives (its microbatches are moved there)."""
+        return (self.peft if self.peft is not None else self._base).device
 
     # ------------------------------------------------------------------ slots
     def add_slot(self, name: str, spec: LoraSpec) -> None:
@@ -269,11 +275,13 @@ class PoolEngine:
     def hf_config(self):
         return self.pool.hf_config
 
-    def forward_backward(self, mb: Mapping, objective, config: Mapping, reduce, *, is_last: bool = True,
-                         forward_only: bool = False, **_) -> LossOutput:
+    def forward_backward(self, mb: Mapping, objective, config: Mapping, reduction: Reduction, *,
+                         is_last: bool = True, forward_only: bool = False, **_) -> LossOutput:
         names = mb.get("datum_tags")
         if names is None or len(names) != mb["input_ids"].shape[0]:
             raise ValueError("a LoRA pool microbatch needs one adapter name per row (mb['datum_tags'])")
+        mb = to_device(mb, self.pool.device)  # host -> the pool's device; the reducer is built there
+        reduce = reduction.build(mb["loss_mask"])
         ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with ctx:
             out = self.pool.peft(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False,

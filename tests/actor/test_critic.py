@@ -14,7 +14,7 @@ from dsrl.actor.critic import CriticEngine
 from dsrl.actor.engine import ActorEngine
 from dsrl.loss.advantages import compute_advantages
 from dsrl.loss.registry import get_objective
-from dsrl.loss.types import Aggregator
+from dsrl.loss.types import Reduction
 from dsrl.loss.value import get_value_loss
 
 pytestmark = pytest.mark.slow  # ~20 s per engine build on 2 shared cores
@@ -52,7 +52,7 @@ def _train_batch(critic, samples):
 
 
 def _token_mean(mb):
-    return Aggregator.build("token-mean", mb["loss_mask"], global_tokens=float(mb["loss_mask"].sum()))
+    return Reduction("token-mean", global_tokens=float(mb["loss_mask"].sum()))
 
 
 def _reference_value_grads(model_path, samples, mb, *, head):
@@ -197,7 +197,7 @@ def test_value_loss_moves_only_the_critic_and_policy_loss_only_the_actor(critic0
     snap = lambda eng: [p.detach().clone() for p in eng.module.parameters()]  # noqa: E731
     actor_before, critic_before = snap(actor), snap(critic0)
 
-    metrics = critic0.train_step([mb], CFG, _token_mean)
+    metrics = critic0.train_step([mb], CFG, _token_mean(mb))
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in actor.module.parameters())
     assert all(torch.equal(a, b) for a, b in zip(snap(actor), actor_before))
     critic_after = snap(critic0)

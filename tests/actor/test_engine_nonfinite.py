@@ -17,7 +17,7 @@ from dsrl.actor.engine import ActorEngine
 from dsrl.actor.nonfinite import SkipCounter, TrainingDiverged
 from dsrl.distributed.ports import free_port
 from dsrl.loss.registry import get_objective
-from dsrl.loss.types import Aggregator
+from dsrl.loss.types import Reduction
 from dsrl.testing import random_microbatch
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def _step(eng: ActorEngine, mbs: list, objectives: list | None = None) -> float:
     """forward_backward every microbatch (the last one closes the accumulation), then the step."""
     objectives = objectives or [PPO] * len(mbs)
     for i, (mb, obj) in enumerate(zip(mbs, objectives)):
-        reduce = Aggregator.build("token-mean", mb["loss_mask"], global_tokens=float(mb["loss_mask"].sum()))
+        reduce = Reduction("token-mean", global_tokens=float(mb["loss_mask"].sum()))
         eng.forward_backward(mb, obj, {}, reduce, reuse_training_logprobs=True, is_last=i == len(mbs) - 1)
     return eng.optimizer_step()
 
@@ -217,5 +217,6 @@ def test_two_ranks_skip_together_when_one_rank_sees_nan(tiny_model_path, tmp_pat
             assert r["skipped_nan_loss"] and r["skipped_nan_grad"] and not r["skipped_good"], stage
             _assert_equal(r["after_nan_loss"], r["before"], f"ZeRO-{stage} weights after rank 1's NaN loss")
             _assert_equal(r["after_nan_grad"], r["before"], f"ZeRO-{stage} weights after rank 1's NaN gradient")
+        # replicas: both ranks apply the same all-reduced gradient
         _assert_equal(r0["after_good"], r1["after_good"], f"ZeRO-{stage} ranks after the next good step")
         assert not torch.equal(r0["after_good"]["model.norm.weight"], r0["before"]["model.norm.weight"])

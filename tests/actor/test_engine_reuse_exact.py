@@ -6,7 +6,7 @@ import torch
 
 from dsrl.actor.engine import ActorEngine
 from dsrl.loss.registry import get_objective
-from dsrl.loss.types import Aggregator
+from dsrl.loss.types import Reduction
 from dsrl.testing import random_microbatch
 
 pytestmark = pytest.mark.slow
@@ -34,13 +34,14 @@ def test_reuse_equals_standalone_pass_bit_exactly(tiny_model_path, zero_stage, o
         if not reuse:
             (old,) = eng.score([mb])  # the real standalone pass (eval mode, no grad)
             mb["old_log_probs"] = old
-        reduce = Aggregator.build("token-mean", mb["loss_mask"], global_tokens=float(mb["loss_mask"].sum()))
+        reduce = Reduction("token-mean", global_tokens=float(mb["loss_mask"].sum()))
         out = eng.forward_backward(mb, get_objective(objective), cfg, reduce, reuse_training_logprobs=reuse)
         grads = _grads(eng)
         eng.optimizer_step()
         params = [p.detach().clone() for p in eng.module.parameters()]
         results.append((out, grads, params))
     (a, ga, pa), (b, gb, pb) = results
+    # Same microbatch, same shapes and kernels: only train/eval mode and autograd differ (dropout 0).
     assert torch.equal(a.loss, b.loss)
     assert set(a.metrics) == set(b.metrics)
     for k in a.metrics:
@@ -50,4 +51,3 @@ def test_reuse_equals_standalone_pass_bit_exactly(tiny_model_path, zero_stage, o
         assert torch.equal(x, y)
     for x, y in zip(pa, pb):  # and the optimizer step lands on the same weights
         assert torch.equal(x, y)
-    assert float(b.metrics["ppo_kl"]) == 0.0 and float(b.metrics["pg_clipfrac"]) == 0.0

@@ -17,7 +17,7 @@ from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import register_configs, to_config
 from dsrl.config.validate import validate
 from dsrl.loss.registry import get_objective
-from dsrl.loss.types import Aggregator
+from dsrl.loss.types import Reduction
 from dsrl.testing import random_microbatch
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
@@ -89,7 +89,7 @@ def _engine(path, zero_stage, lora=None):
 
 
 def _backward(eng, mb):
-    reduce = Aggregator.build("token-mean", mb["loss_mask"], global_tokens=float(mb["loss_mask"].sum()))
+    reduce = Reduction("token-mean", global_tokens=float(mb["loss_mask"].sum()))
     eng.forward_backward(mb, PPO, {}, reduce, reuse_training_logprobs=True, is_last=True)
 
 
@@ -183,5 +183,5 @@ def test_reference_with_the_adapter_disabled_equals_a_separate_base_model(tiny_m
     base = ActorEngine(str(tiny_model_path), zero_stage=0, trainable=False, micro_batch_size=4, role="ref")
     want = base.score(mbs)
     for g, w, a in zip(got, want, adapted):
-        assert torch.equal(g, w)
+        assert torch.equal(g, w)  # same microbatches and shapes; a disabled adapter runs base_layer alone
         assert float((a - w).abs().max()) > 1e-4  # the trained adapter changes the log-probs

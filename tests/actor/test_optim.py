@@ -74,12 +74,12 @@ def test_single_rank_zero0_skips_the_allreduce_and_trains_the_same(tiny_model_pa
     weights and optimizer state, bit for bit, as one forced to run it. ZeRO-1 keeps it."""
     from test_engine_nonfinite import PPO, _assert_equal, _engine, _mb, _optimizer_state, _params
 
-    from dsrl.loss.types import Aggregator
+    from dsrl.loss.types import Reduction
 
     def train(eng):
         for k, is_last in ((1, False), (3, True)):
             for i, mb in enumerate([_mb(k), _mb(k + 1)]):
-                reduce = Aggregator.build("token-mean", mb["loss_mask"], global_tokens=float(mb["loss_mask"].sum()))
+                reduce = Reduction("token-mean", global_tokens=float(mb["loss_mask"].sum()))
                 eng.forward_backward(mb, PPO, {}, reduce, reuse_training_logprobs=True, is_last=is_last and i == 1)
             eng.optimizer_step()
         return _params(eng), _optimizer_state(eng)

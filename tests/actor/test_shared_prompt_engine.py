@@ -12,7 +12,7 @@ import torch
 
 from dsrl.actor.batch import masked_rows
 from dsrl.loss.registry import get_objective
-from dsrl.loss.types import Aggregator
+from dsrl.loss.types import Reduction
 from dsrl.rollout.samples import pack_microbatches
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,7 @@ def _run(model_path, samples, pad, *, zero_stage, shared, micro_batch_size=4):
     tokens = float(sum(len(s.response_ids) for s in samples))
     loss, ent = 0.0, 0.0
     for i, mb in enumerate(mbs):
-        reduce = Aggregator.build("token-mean", mb["loss_mask"], global_tokens=tokens)
+        reduce = Reduction("token-mean", global_tokens=tokens)
         out = eng.forward_backward(mb, get_objective("ppo"), {}, reduce, reuse_training_logprobs=True,
                                    is_last=i == len(mbs) - 1)
         loss += float(out.loss.detach())
@@ -127,10 +127,10 @@ def test_training_forward_equals_scoring_pass_bit_exactly(tiny_model_path, tiny_
         train_lp, _ = eng.target_logprobs(mb, with_entropy=True)
         assert train_lp.requires_grad
         (scored,) = eng.score([mb])
-        assert torch.equal(train_lp.detach() * mb["loss_mask"], scored)
+        assert torch.equal(train_lp.detach() * mb["loss_mask"], scored)  # the same packed microbatch
         if not reuse:
             mb["old_log_probs"] = scored
-        reduce = Aggregator.build("token-mean", mb["loss_mask"], global_tokens=float(mb["loss_mask"].sum()))
+        reduce = Reduction("token-mean", global_tokens=float(mb["loss_mask"].sum()))
         out = eng.forward_backward(mb, get_objective("ppo"), {}, reduce, reuse_training_logprobs=reuse)
         grads = [safe_get_full_grad(p).clone() for p in eng.module.parameters()]
         eng.optimizer_step()
@@ -162,7 +162,7 @@ def test_trainer_uses_the_layout_for_old_pass_and_training(tiny_model_path, tiny
     scale = max(float(u.abs().max()) for u in u_off.values())
     for n, u in u_off.items():
         assert float((u_on[n] - u).abs().max()) <= GRAD_REL_TOL * scale, n
-    rt.assert_params_equal(u_auto, u_on)  # auto == on, bit for bit
+    rt.assert_params_equal(u_auto, u_on)  # auto == on, bit for bit (the same layout: the same shapes)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

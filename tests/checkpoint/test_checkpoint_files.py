@@ -76,6 +76,44 @@ def test_resume_compatibility_names_breaking_keys_and_allows_harmless_ones():
     assert "trainer.total_steps" not in msg.split("(only these")[0]
 
 
+def _resolved(dtype, threads):
+    cfg = Config()
+    cfg.model = dataclasses.replace(cfg.model, dtype=dtype)
+    cfg.actor = dataclasses.replace(cfg.actor, num_threads=threads)
+    return cfg
+
+
+def test_auto_settings_resolved_otherwise_on_the_resuming_machine_warn_or_refuse(caplog):
+    """A requeued job on another machine: model.dtype and actor.num_threads were `auto` in both runs
+    and resolve differently now. The user's `auto` is compared, each change named in one warning;
+    trainer.resume_exact=true refuses instead."""
+    import logging
+
+    saved = config_record(_resolved("bfloat16", 2))
+    auto = ("model.dtype", "actor.num_threads", "model.attn_implementation")
+    cfg = _resolved("float32", 1)
+    with caplog.at_level(logging.WARNING, logger="dsrl"):
+        check_resume_compatible(saved, 1, cfg, "ck", auto_now=auto, auto_saved=list(auto))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert "model.dtype=auto resolves to 'float32' on this machine, 'bfloat16' in the checkpoint's run" in lines[1]
+    assert "actor.num_threads=auto resolves to 1 on this machine, 2 in the checkpoint's run" in lines[0]
+    cfg.trainer = dataclasses.replace(cfg.trainer, resume_exact=True)
+    with pytest.raises(ConfigError) as e:
+        check_resume_compatible(saved, 1, cfg, "ck", auto_now=auto, auto_saved=list(auto))
+    assert "model.dtype=auto: 'bfloat16' in the checkpoint's run, 'float32' on this machine" in str(e.value)
+    assert "actor.num_threads=auto: 2 in the checkpoint's run, 1 on this machine" in str(e.value)
+    check_resume_compatible(saved, 1, _resolved("bfloat16", 2), "ck", auto_now=auto, auto_saved=list(auto))
+
+
+@pytest.mark.parametrize("auto_now,auto_saved", [(("model.dtype",), None), (("model.dtype",), []), ((), ["model.dtype"])],
+                         ids=["checkpoint-before-records", "explicit-in-checkpoint", "explicit-now"])
+def test_a_value_not_auto_in_both_runs_is_still_a_named_change(auto_now, auto_saved):
+    with pytest.raises(ConfigError, match=r"model.dtype: 'bfloat16' in the checkpoint, 'float32' now"):
+        check_resume_compatible(config_record(_resolved("bfloat16", 2)), 1, _resolved("float32", 2), "ck",
+                                auto_now=auto_now, auto_saved=auto_saved)
+
+
 def test_keys_added_after_a_checkpoint_pass_only_at_their_default():
     """A checkpoint written before algo.off_policy_steps existed: resuming with the key at its
     default (the old behaviour) is exact; turning it on is a named change."""

@@ -63,7 +63,7 @@ def test_probe_passes_and_rollout_log_probs_are_the_old_policy(tiny_model_path, 
     assert trainer.decision.probe and not trainer.decision.run_old_pass
     assert calls == [2]  # only the probe: ceil(0.125 * 9) sequences, no full pass
     assert metrics["reuse/full_pass"] == 0.0
-    assert 0.0 <= metrics["reuse/probe_abs_diff"] < 1e-5  # same weights, same kernels (fp32)
+    assert 0.0 <= metrics["reuse/probe_abs_diff"] < 1e-5  # same weights; 2-row probe vs 9-row batch: fp32 round-off
     assert metrics["reuse/probe_tokens"] > 0
 
     # The old policy handed to the loss is the rollout log-probs, bit for bit.
@@ -79,6 +79,7 @@ def test_probe_passes_and_rollout_log_probs_are_the_old_policy(tiny_model_path, 
                                                            samples)
     assert ref_calls == []
     assert_params_equal(before, ref_before)
+    # Bit-exact: the same training microbatches with the same old-policy values (the probe only reads).
     assert_params_equal(after, ref_after)
     assert metrics["train/loss"] == ref_metrics["train/loss"]
     assert max(float((after[k] - before[k]).abs().max()) for k in before) > 1e-3  # a real update
@@ -107,7 +108,7 @@ def test_probe_objects_and_the_full_pass_runs(tiny_model_path, tiny_tokenizer, b
     old, m = trainer2._old_policy_by_probe(samples, rollout)
     scored = trainer2._score(trainer2.actor, samples, "check")
     assert m["reuse/full_pass"] == 1.0
-    assert all(torch.equal(o, s) for o, s in zip(old, scored, strict=True))
+    assert all(torch.equal(o, s) for o, s in zip(old, scored, strict=True))  # the same _score call twice
     assert not torch.equal(old[0], rollout[0])
 
     # ... so the update equals reuse off (the standalone old-policy pass every step).
@@ -116,6 +117,7 @@ def test_probe_objects_and_the_full_pass_runs(tiny_model_path, tiny_tokenizer, b
                                                            samples)
     assert off_calls == [9]
     assert_params_equal(before, off_before)
+    # Bit-exact: both full passes score the same microbatches, then train the same ones.
     assert_params_equal(after, off_after)
     assert metrics["train/loss"] == off_metrics["train/loss"]
 

@@ -125,7 +125,7 @@ def test_jitter_makes_train_and_eval_forwards_differ_and_clean_model_does_not():
             old = model(input_ids=ids).logits
             model.train()
             train = model(input_ids=ids).logits
-        assert torch.equal(old, train) is equal
+        assert torch.equal(old, train) is equal  # same ids and shapes: only the module mode differs
 
 
 # ------------------------------------------------------------------ the decision, points 2 and 3

@@ -375,13 +375,13 @@ class _Engine:
         import torch
         return [torch.full(mb["targets"].shape, -0.7) * mb["loss_mask"] for mb in microbatches]
 
-    def forward_backward(self, mb, objective, config, reduce, *, reuse_training_logprobs=False, is_last=True):
+    def forward_backward(self, mb, objective, config, reduction, *, reuse_training_logprobs=False, is_last=True):
         import torch
 
         from dsrl.loss.types import LossInputs
         lp = (torch.full(mb["targets"].shape, -0.7) * mb["loss_mask"]).requires_grad_(True)
         fixed = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "targets")}
-        out = objective.fn(LossInputs(log_probs=lp, mask=mb["loss_mask"], batch=fixed, config=config, reduce=reduce,
+        out = objective.fn(LossInputs(log_probs=lp, mask=mb["loss_mask"], batch=fixed, config=config, reduce=reduction.build(mb["loss_mask"]),
                                       reuse_training_logprobs=reuse_training_logprobs))
         out.loss.backward()
         return out
@@ -392,6 +392,9 @@ class _Engine:
 
     def state_dict_for_export(self):
         return {}
+
+    def weights_pushed(self):
+        pass
 
     def export_named_tensors(self, **kwargs):
         return iter(())

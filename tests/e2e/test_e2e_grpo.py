@@ -41,14 +41,16 @@ def test_kl_loss_with_a_zero3_reference_engine(tmp_path, tiny_model_path):
     """Reuse with a KL loss: the reference engine (frozen, ZeRO-3) still scores every step and
     the KL loss starts at 0 (same weights) and becomes positive once the actor moved."""
     run_dir = tmp_path / "run_kl"
+    # The reference scores microbatches of the training ones' shapes: at step 1 (same weights) its
+    # log-probs equal the training forward's bit for bit, so the KL loss is exactly 0.
     _run([sys.executable, "-m", "dsrl.main", *COMMON, f"model.path={tiny_model_path}", "algo.use_kl_loss=true",
-          "algo.kl_loss_coef=0.1", "actor.zero_stage=3", "actor.stage3_param_persistence_threshold=0",
+          "algo.kl_loss_coef=0.1", "actor.micro_batch_size=8", "actor.forward_micro_batch_size=8",
+          "actor.zero_stage=3", "actor.stage3_param_persistence_threshold=0",
           "trainer.eval_before=false", "trainer.eval_after=false", f"hydra.run.dir={run_dir}"],
          cwd=Path(__file__).parents[2], timeout=600)
     rows = _metrics(run_dir)
     assert all(r["timing/ref_logprobs"] > 0 and r["timing/old_logprobs"] == 0.0 for r in rows)
     assert rows[0]["train/kl_loss"] == 0.0 and rows[1]["train/kl_loss"] > 0.0
-    assert all(r["train/ppo_kl"] == 0.0 for r in rows)
 
 
 def test_single_process_run_writes_everything(tmp_path, tiny_model_path):
@@ -63,7 +65,6 @@ def test_single_process_run_writes_everything(tmp_path, tiny_model_path):
         # The sync's own probe: the engine serves the trainer's weights after every sync.
         assert r["rollout/sync_logprob_diff"] < 1e-4 and r["rollout/sync_buckets"] >= 1, r
         assert r["timing/old_logprobs"] == 0.0  # reuse skipped the standalone pass
-        assert r["train/ppo_kl"] == 0.0 and r["train/pg_clipfrac"] == 0.0
         # Weight push verified: the trainer and vLLM agree on the log-probs of the new samples.
         assert r["rollout/logprob_diff"] < 1e-3, r["rollout/logprob_diff"]
         assert r["train/grad_norm"] > 0

@@ -45,8 +45,6 @@ def test_reuse_is_bit_identical_to_explicit_detached_baseline(case):
     assert a.metrics.keys() == b.metrics.keys()
     for key in a.metrics:
         assert torch.equal(a.metrics[key], b.metrics[key]), key
-    assert a.metrics["ppo_kl"].item() == 0.0
-    assert a.metrics["pg_clipfrac"].item() == 0.0
     assert {"loss", "pg_loss", "entropy", "logprob"} <= a.metrics.keys()
     if config.get("use_tis"):
         assert {"tis", "tis_clipfrac", "tis_abs", "ois", "train_rollout_logprob_abs_diff",

@@ -71,6 +71,7 @@ def test_seeds_make_sampling_reproducible_and_batch_independent(worker):
     assert [[c.logprobs for c in g] for g in a] == [[c.logprobs for c in g] for g in b]
     # sample k of seed s is sample 0 of seed s + k (vLLM's convention), whatever the batch
     alone = worker.generate(PROMPTS[1:], n=1, seeds=[201], **kw)[0][0]
+    # another batch shape: ids equal (a flip needs a draw within round-off of a boundary), log-probs to fp32
     assert alone.token_ids == a[1][1].token_ids
     torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(a[1][1].logprobs), atol=1e-5, rtol=0)
     other = worker.generate(PROMPTS, n=2, seeds=[101, 299], **kw)

@@ -52,9 +52,11 @@ class ScriptedEngine:
         self.pushes.append((step, state))
         return 0.0
 
+    reloadable = True  # False: like a CUDA IPC push, the pushed weights died with the engine
+
     def reload_pushed_weights(self):
         self.reloads += 1
-        return True
+        return self.reloadable
 
     def engine_alive(self):
         return self.alive
@@ -92,6 +94,26 @@ def test_death_during_a_call_restarts_replays_weights_and_retries():
     assert rw.pop_metrics() == {"rollout/restarts": 1.0}
     assert rw.pop_metrics() == {"rollout/restarts": 0.0}
     assert rw.total_restarts == 1
+
+
+def test_a_rebuilt_engine_that_cannot_reload_the_pushed_weights_stops_the_run_naming_it(monkeypatch):
+    """A CUDA IPC push is not staged by the wrapper and a new engine cannot re-read it: the rebuilt
+    engine would serve the initial weights while the step trains on its samples as on-policy."""
+    monkeypatch.setattr(ScriptedEngine, "reloadable", False)
+    rw, engines = _worker([["ok", "die"], []])
+    rw.push_weights({"w": 1}, 3)
+    with pytest.raises(RolloutEngineError, match=r"engine 7 \(/m\): the engine was rebuilt but cannot load the "
+                                                 r"trainer's last pushed weights again"):
+        rw.generate(["c"])
+    assert len(engines) == 2 and engines[1].reloads == 1 and engines[1].killed  # tried, then stopped
+    with pytest.raises(RuntimeError, match="used after close"):
+        rw.generate(["d"])
+
+
+def test_before_any_push_a_rebuilt_engine_needs_no_reload(monkeypatch):
+    monkeypatch.setattr(ScriptedEngine, "reloadable", False)
+    rw, engines = _worker([["die"], []])
+    assert rw.generate(["x"]) == ["out:x"] and engines[1].reloads == 0
 
 
 def test_engine_dead_error_and_hang_count_as_engine_failures():

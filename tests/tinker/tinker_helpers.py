@@ -36,7 +36,7 @@ class PlainEngine:
         self.hf_config = model.config
         self.calls = 0
 
-    def forward_backward(self, mb, objective, config, reduce, *, is_last=True, forward_only=False, **_):
+    def forward_backward(self, mb, objective, config, reduction, *, is_last=True, forward_only=False, **_):
         import contextlib
 
         import torch
@@ -51,7 +51,7 @@ class PlainEngine:
             lp, _ = token_logprobs(logits, mb["targets"])
             fixed = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "targets")}
             out = objective.fn(LossInputs(log_probs=lp, mask=mb["loss_mask"], batch=fixed, config=config,
-                                          reduce=reduce, sample_indices=mb.get("sample_indices")))
+                                          reduce=reduction.build(mb["loss_mask"]), sample_indices=mb.get("sample_indices")))
         if not forward_only:
             out.loss.backward()
         return out

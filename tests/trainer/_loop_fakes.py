@@ -97,13 +97,14 @@ def make_cfg(*, groups: int = 2, group_size: int = 4, total_steps: int = 3, **al
 
 
 def make_trainer(cfg: Config, run_dir, events: list, *, kinds: str = "IU", delay_s: float = 0.0,
-                 fail_on_call: Optional[int] = None, train_s: float = 0.0) -> Trainer:
+                 fail_on_call: Optional[int] = None, train_s: float = 0.0, hardware_auto=()) -> Trainer:
     """The real Trainer around the scripted rollout side; `train_on` and `_push_weights` record
     what they got (`trainer.trained`: the samples of each step) instead of running engines."""
     tokenizer = type("Tok", (), {"pad_token_id": 0, "eos_token_id": 0})()
     worker = ScriptedWorker(events, delay_s=delay_s, fail_on_call=fail_on_call)
     trainer = Trainer(cfg, actor=None, ref=None, worker=worker, tokenizer=tokenizer, source=ScriptedSource(kinds),
-                      verifier=lambda text, p: float(text), prompt_ids_fn=prompt_ids, decision=decide_reuse(cfg), run_dir=str(run_dir))
+                      verifier=lambda text, p: float(text), prompt_ids_fn=prompt_ids, decision=decide_reuse(cfg), run_dir=str(run_dir),
+                      hardware_auto=hardware_auto)
     trainer.trained = []
 
     def train_on(samples):

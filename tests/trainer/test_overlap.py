@@ -103,15 +103,17 @@ def test_checkpoint_holds_the_finished_next_rollout_and_resume_is_exact(tmp_path
 
     def fake_save(run_dir, step, *, actor, tokenizer, keep, rank_state, shared):
         torch.save({"trainer": rank_state, "rng": None}, tmp_path / "rank.pt")
-        saved.update(step=step, metrics=list(shared["metrics"]))
+        saved.update(step=step, metrics=list(shared["metrics"]), auto=shared["hardware_auto"])
         return str(tmp_path), 0.0
 
     monkeypatch.setattr(trainer_module, "save_checkpoint", fake_save)
-    first = make_trainer(make_cfg(total_steps=4, **OVERLAP), tmp_path / "first", [], kinds="IUU")
+    first = make_trainer(make_cfg(total_steps=4, **OVERLAP), tmp_path / "first", [], kinds="IUU",
+                         hardware_auto=("model.dtype", "actor.num_threads"))
     for step in (1, 2):
         first.logger.log(step, first.step(step))
     first.save(2)
     assert not first.next_rollout.running  # save waited for it
+    assert saved["auto"] == ["model.dtype", "actor.num_threads"]  # a resume elsewhere compares the user's auto
 
     monkeypatch.setattr(trainer_module, "read_shared_state", lambda folder: {"step": 2, "metrics": saved["metrics"]})
     monkeypatch.setattr(trainer_module, "load_rank_state", lambda folder: torch.load(tmp_path / "rank.pt",
