@@ -41,7 +41,8 @@ def prepare(cfg_node: DictConfig, run_dir: str):
         (log.warning if d.warning else log.info)(d.line())
     cache = str(default_cache_dir())
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(cache, "torch_extensions"))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not machine.cuda:  # DeepSpeed picks CUDA itself on a GPU machine: the service trains there
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         model_path = resolve_model_path(cfg.model.path, cache)
     except FileNotFoundError as e:

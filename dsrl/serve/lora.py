@@ -82,7 +82,9 @@ class LoraPool:
     """The base model, its adapters (one per slot) and one AdamW over all of them."""
 
     def __init__(self, model_path: str, *, dtype: torch.dtype, attn_implementation: str, micro_batch_size: int,
-                 pad_id: int):
+                 pad_id: int, device=None):
+        """`device`: where the model and its adapters live and train (None: the accelerator's
+        current device, cuda:N on a GPU machine, else the CPU)."""
         from transformers import AutoModelForCausalLM
 
         self.model_path = model_path
@@ -94,7 +96,7 @@ class LoraPool:
         self._base_state = {n: p.detach().clone() for n, p in base.named_parameters()}
         if "lm_head.weight" not in self._base_state and base.get_output_embeddings() is not None:
             self._base_state["lm_head.weight"] = base.get_output_embeddings().weight.detach().clone()
-        self._base = base
+        self._base = base.to(_pool_device(device))  # the host copies above stay on the host (exports)
         self._layers = linear_layers(base)
         self.peft = None  # PeftModel, built with the first slot
         self.optimizer: Optional[torch.optim.AdamW] = None
@@ -205,7 +207,7 @@ class LoraPool:
         from safetensors.torch import save_file
 
         params = self._params[name]
-        save_file({k: p.detach().contiguous() for k, p in params.items()}, str(folder / ADAPTER_FILE))
+        save_file({k: p.detach().to("cpu").contiguous() for k, p in params.items()}, str(folder / ADAPTER_FILE))
         if optimizer:
             state = {k: {sk: (sv.clone() if torch.is_tensor(sv) else sv)
                          for sk, sv in self.optimizer.state.get(p, {}).items()} for k, p in params.items()}
@@ -226,7 +228,7 @@ class LoraPool:
             p.grad = None
             self.optimizer.state.pop(p, None)
         if optimizer:
-            state = torch.load(folder / OPTIMIZER_FILE, weights_only=True)
+            state = torch.load(folder / OPTIMIZER_FILE, weights_only=True, map_location=self.device)
             for k, p in params.items():
                 if state.get(k):
                     self.optimizer.state[p] = {sk: (sv.clone() if torch.is_tensor(sv) else sv)
@@ -242,11 +244,17 @@ class LoraPool:
             for mod_name, mod in self.peft.named_modules():
                 if isinstance(mod, LoraLayer) and name in mod.lora_A:
                     key = (mod_name[len(prefix):] if mod_name.startswith(prefix) else mod_name) + ".weight"
-                    state[key] = state[key] + mod.get_delta_weight(name).to(state[key].dtype)
+                    state[key] = state[key] + mod.get_delta_weight(name).to(state[key].device, state[key].dtype)
         return state
 
     def export_sampler(self, name: str, folder: Path) -> None:
         write_hf_folder(folder, self.merged_state(name), self.hf_config)
+
+
+def _pool_device(device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _clip_(params: List[torch.nn.Parameter], max_norm: float) -> float:

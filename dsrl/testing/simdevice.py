@@ -73,7 +73,7 @@ class SimTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
-        if not _inside_module():
+        if not _inside_module() and func is not torch.ops.aten.copy_.default:  # copy_ may cross devices
             for t in flat:
                 if isinstance(t, torch.Tensor) and not isinstance(t, SimTensor):
                     if t.device.type == "meta":

@@ -16,10 +16,10 @@ import dataclasses
 import pytest
 import torch
 
-from dsrl.actor.batch import Sample
 from dsrl.loss.registry import get_objective
 from dsrl.loss.types import Aggregator, Reduction
 from dsrl.rollout.samples import pack_microbatches
+from dsrl.testing import engine_cases as cases
 from dsrl.testing.simdevice import SIM, host_data, is_sim, on_simulated_device, simulated_accelerator
 
 
@@ -68,46 +68,16 @@ def test_a_reducer_built_on_the_host_fails_there_and_one_built_from_the_device_m
 
 
 # ---------------------------------------------------------------------- engines on the device
-def _samples(seed: int = 0, shape=((6, (4, 2, 5)), (4, (3, 6, 1)))) -> list:
-    """Groups of samples sharing a prompt (prompt length, response lengths)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for group, (p, rs) in enumerate(shape):
-        prompt = torch.randint(10, 1000, (p,), generator=g).tolist()
-        for r in rs:
-            out.append(Sample(prompt_ids=prompt, response_ids=torch.randint(10, 1000, (r,), generator=g).tolist(),
-                              rollout_log_probs=(-torch.rand(r, generator=g)).tolist(), group=group,
-                              index=len(out), reward=float(len(out) % 2)))
-    return out
+def _samples(seed: int = 0) -> list:
+    return cases.samples(seed)
 
 
-FIELDS = ("advantages", "old_log_probs", "ref_log_probs", "opd_reverse_kl", "loss_weights", "sampling_logprobs")
+def _fields(batch, seed: int = 1) -> dict:
+    return cases.fields(batch, seed)
 
 
-def _fields(samples, seed: int = 1, *, old: bool = False) -> dict:
-    """Per-token fields of every kind; old_log_probs only with `old` (reuse refuses them)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name in FIELDS if old else [f for f in FIELDS if f != "old_log_probs"]:
-        rows = []
-        for s in samples:
-            r = len(s.response_ids)
-            if name == "advantages":
-                rows.append(torch.randn(r, generator=g))
-            elif name == "loss_weights":
-                rows.append((torch.rand(r, generator=g) > 0.3).float())
-            elif name == "opd_reverse_kl":
-                rows.append(torch.rand(r, generator=g))
-            else:  # log-probs near the rollout's
-                rows.append(torch.tensor(s.rollout_log_probs) + 0.05 * torch.randn(r, generator=g))
-        out[name] = rows
-    return out
-
-
-def _mbs(layout: str, samples, fields) -> list:
-    shared = layout.startswith("shared")
-    budget = 24 if layout.endswith("budget") else 0  # token-budget microbatches: several of them
-    return pack_microbatches(samples, 3, 0, fields, max_tokens=budget, shared_prompt=shared)
+def _mbs(layout: str, batch, token_fields) -> list:
+    return cases.microbatches(layout, batch, token_fields)
 
 
 def _grads(module) -> list:
@@ -152,45 +122,15 @@ def actor(tiny_model_path):
     return ActorEngine(str(tiny_model_path), zero_stage=0, micro_batch_size=3, lr=1e-3, grad_clip=0.0)
 
 
-def _tinker(name):
-    from dsrl.loss import tinker
-
-    return get_objective(tinker.tinker_objective_name(name)), tinker.resolve_config(name, {})
-
-
-CASES = {  # name -> (objective, config, reuse, aggregation)
-    "grpo-reuse": ("ppo", {}, True, "token-mean"),
-    "ppo-old-pass": ("ppo", {}, False, "token-mean"),
-    "gspo": ("gspo", {}, False, "seq-mean-token-mean"),
-    "cispo": ("cispo", {}, True, "seq-mean-token-sum-norm"),
-    "sft": ("sft", {}, False, "token-mean"),
-    "tis": ("ppo", {"use_tis": True}, True, "token-mean"),
-    "kl-loss": ("ppo", {"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl"}, True, "token-mean"),
-    "entropy": ("ppo", {"entropy_coef": 0.01}, True, "seq-mean-token-sum"),
-    "tinker-ce": ("cross_entropy", None, False, "sum"),
-    "tinker-is": ("importance_sampling", None, False, "sum"),
-    "tinker-ppo": ("ppo", None, False, "sum"),
-    "tinker-cispo": ("cispo", None, False, "sum"),
-    "tinker-dro": ("dro", None, False, "sum"),
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["dense", "shared", "dense-budget", "shared-budget"])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("layout", cases.LAYOUTS)
+@pytest.mark.parametrize("case", sorted(cases.CASES))
 def test_every_objective_runs_on_the_device_and_equals_the_cpu_run(actor, case, layout):
-    name, config, reuse, mode = CASES[case]
-    spec, config = _tinker(name) if case.startswith("tinker") else (get_objective(name), config)
-    samples = _samples()
-    fields = _fields(samples, old=not reuse)  # reuse: the old policy is the training forward's own
-    tokens = float(sum(len(s.response_ids) for s in samples))
-    reduction = Reduction(mode, global_tokens=tokens, global_seqs=float(len(samples)), norm_len=8.0)
+    batch = _samples()
 
     def run():
-        mbs = _mbs(layout, samples, fields)
-        assert len(mbs) > 1 if layout.endswith("budget") else True
-        outs = [actor.forward_backward(mb, spec, config, reduction, reuse_training_logprobs=reuse,
-                                       is_last=i == len(mbs) - 1) for i, mb in enumerate(mbs)]
+        outs = cases.run_case(actor, case, layout, batch)
+        assert len(outs) > 1 if layout.endswith("budget") else len(outs) >= 1
         return outs, _grads(actor.module)
 
     cpu, sim = _twice(actor, run)
@@ -436,3 +376,10 @@ def test_a_whole_trainer_step_with_the_hf_rollout_backend(tmp_path, tiny_model_p
     assert cpu["train/grad_norm"] > 0 and "rollout/sync_logprob_diff" in cpu
     if variant == "adaptive-reuse":
         assert cpu["reuse/probe_tokens"] > 0
+
+
+def test_copy_into_a_device_tensor_may_read_the_host_as_on_cuda():
+    with simulated_accelerator():
+        x = torch.zeros(3).to(SIM)
+        x.copy_(torch.tensor([1.0, 2.0, 3.0]))
+        assert is_sim(x) and x.tolist() == [1.0, 2.0, 3.0]

@@ -8,6 +8,11 @@ no vLLM. Run by `launch/gpu_smoke.sh trainer` and tests/gpu/test_gpu_trainer.py 
    handle, storage_device override, ipc_collect).
 4. GRPO steps of the real loop (python -m dsrl.main) with rollout.backend=hf in bf16, ZeRO-2 and
    ZeRO-3, on the tiny model built offline: step time, tokens/s, sync time.
+5. Every engine case of dsrl.testing.engine_cases (each objective x layout, what CI runs on the
+   simulated accelerator) through ActorEngine.forward_backward on CUDA, fp32: each runs, with a
+   finite loss on the device and finite gradients.
+6. The Tinker service's LoRA pool on CUDA: a mixed-adapter forward_backward, the pool's step, a
+   merged export and an adapter save/load round trip.
 Prints one PASS/FAIL line per check and FIGURE lines; exits 1 when any check failed."""
 from __future__ import annotations
 
@@ -140,6 +145,63 @@ def grpo_hf(model_path: str, stage: int, out_dir: Path) -> None:
            f"steps={len(rows)} rollout/logprob_diff={['%.3g' % d for d in diffs]}")
 
 
+def engine_cases_on_cuda(model_path: str) -> None:
+    from dsrl.actor.engine import ActorEngine
+    from dsrl.testing import engine_cases as cases
+
+    batch = cases.samples()
+    torch.manual_seed(0)
+    eng = ActorEngine(model_path, zero_stage=0, micro_batch_size=3, lr=1e-3, grad_clip=0.0)
+    failed, n = [], 0
+    for name in sorted(cases.CASES):
+        for layout in cases.LAYOUTS:
+            n += 1
+            try:
+                outs = cases.run_case(eng, name, layout, batch)
+                grads = [p.grad for p in eng.module.parameters() if p.grad is not None]
+                if not all(o.loss.device.type == "cuda" and bool(torch.isfinite(o.loss)) for o in outs):
+                    failed.append(f"{name}/{layout}: loss not a finite cuda scalar")
+                elif not grads or not all(bool(torch.isfinite(g).all()) for g in grads):
+                    failed.append(f"{name}/{layout}: gradient missing or not finite")
+            except Exception as e:  # the failure CI's simulated accelerator is there to prevent
+                failed.append(f"{name}/{layout}: {type(e).__name__}: {e}")
+            for p in eng.module.parameters():
+                p.grad = None
+    report("engine_cases_on_cuda", not failed, f"{n - len(failed)}/{n} cases; " + "; ".join(failed[:3]))
+
+
+def lora_pool_on_cuda(model_path: str, out_dir: Path) -> None:
+    from dsrl.loss import tinker
+    from dsrl.loss.registry import get_objective
+    from dsrl.serve.lora import LoraPool, LoraSpec
+
+    pool = LoraPool(model_path, dtype=torch.float32, attn_implementation="eager", micro_batch_size=2, pad_id=0)
+    for i, name in enumerate(("a", "b")):
+        pool.add_slot(name, LoraSpec(rank=4, alpha=8.0, seed=i))
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for i in range(4):
+        toks = torch.randint(10, 1000, (7,), generator=g).tolist()
+        data.append({"model_input": toks[:-1], "loss_fn_inputs": {
+            "target_tokens": toks[1:], "advantages": torch.randn(6, generator=g).tolist(),
+            "logprobs": (-torch.rand(6, generator=g)).tolist()}})
+    spec = get_objective(tinker.tinker_objective_name("ppo"))
+    out = pool.session.run_prepared(pool.session.validate(data, "ppo"), spec, tinker.resolve_config("ppo", {}),
+                                    forward_only=False, tags=["a", "b", "a", "b"])
+    from dsrl.actor.work_units import AdamParams
+
+    norms = pool.step({"a": AdamParams(learning_rate=1e-2), "b": AdamParams(learning_rate=1e-2)})
+    merged = pool.merged_state("a")
+    folder = out_dir / "lora_slot_a"
+    folder.mkdir(parents=True, exist_ok=True)
+    pool.save_slot("a", folder)
+    pool.load_slot("a", folder, optimizer=True)
+    on_gpu = all(p.device.type == "cuda" for p in pool.slot_parameters("a").values())
+    ok = (str(pool.device).startswith("cuda") and on_gpu and all(v.device.type == "cpu" for v in merged.values())
+          and all(n["grad_norm:mean"] > 0 for n in norms.values()) and len(out.loss_fn_outputs) == 4)
+    report("lora_pool_on_cuda", ok, f"device={pool.device} grad norms={[round(n['grad_norm:mean'], 4) for n in norms.values()]}")
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: skipped")
@@ -155,6 +217,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"GPU {torch.cuda.get_device_name(local_rank)} | torch {torch.__version__} | out {out_dir}", flush=True)
     for check in (lambda: actors_on_cuda(model_path, local_rank), ipc_round_trip,
+                  lambda: engine_cases_on_cuda(model_path), lambda: lora_pool_on_cuda(model_path, out_dir),
                   lambda: grpo_hf(model_path, 2, out_dir), lambda: grpo_hf(model_path, 3, out_dir)):
         try:
             check()
