@@ -418,6 +418,11 @@ class ServeConfig:
     max_chunk_datums: int = 1024
     # Most datums in one merged forward (consecutive chunks of a client, several LoRA slots).
     max_merged_datums: int = 256
+    # Most tokens of one datum, and most elements of any tensor of its loss_fn_inputs (checked from
+    # the declared shape, before anything is allocated; a sparse tensor is never densified past it).
+    max_datum_tokens: int = 32768
+    # Most samples one sample request may ask for (num_samples).
+    max_num_samples: int = 128
     # Seconds retrieve_future holds a poll before answering try_again (below the SDK's 45 s timeout).
     long_poll_seconds: float = 20.0
     # Server-side custom losses {loss_id: dotted.path.to.fn}, run by loss_fn="custom" with

@@ -28,7 +28,8 @@ def serve_errors(cfg) -> List[str]:
         if not isinstance(k, str) or not k.startswith("tml-") or len(k) < 8:
             errors.append(f"serve.api_keys[{i}] must be a string starting with 'tml-' (the SDK refuses others), "
                           f"at least 8 characters")
-    for key in ("max_lora_rank", "max_lora_slots", "max_chunk_datums", "max_merged_datums", "keep_sampler_snapshots"):
+    for key in ("max_lora_rank", "max_lora_slots", "max_chunk_datums", "max_merged_datums", "keep_sampler_snapshots",
+                "max_datum_tokens", "max_num_samples"):
         if int(getattr(s, key)) < 1:
             errors.append(f"serve.{key}={getattr(s, key)} must be >= 1")
     if s.lora_alpha <= 0:
@@ -64,6 +65,7 @@ def options_from_config(cfg, model_path: str, run_dir: "str | os.PathLike[str]")
         lora_alpha=float(s.lora_alpha), max_lora_rank=int(s.max_lora_rank), max_lora_slots=int(s.max_lora_slots),
         allow_full_parameter=bool(s.allow_full_parameter), max_chunk_datums=int(s.max_chunk_datums),
         max_merged_datums=int(s.max_merged_datums), long_poll_seconds=float(s.long_poll_seconds),
+        max_datum_tokens=int(s.max_datum_tokens), max_num_samples=int(s.max_num_samples),
         custom_losses=dict(s.custom_losses or {}), keep_sampler_snapshots=int(s.keep_sampler_snapshots),
         sampling=bool(s.sampling),
         sampler=dict(dtype=r.dtype, seed=r.seed, max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,

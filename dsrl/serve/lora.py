@@ -138,9 +138,7 @@ class LoraPool:
                 params[full.replace(f".{name}.", ".")] = p
         self.slots[name] = spec
         self._params[name] = params
-        for slot_params in self._params.values():  # PEFT re-marks trainables when adding: all slots train
-            for p in slot_params.values():
-                p.requires_grad_(True)
+        self._all_slots_train()  # PEFT re-marks trainables when adding
         group = {"params": list(params.values()), "lr": 0.0}
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW([group], lr=0.0, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
@@ -163,11 +161,20 @@ class LoraPool:
             with warnings.catch_warnings():  # "active adapter deleted": every forward names its adapters per row
                 warnings.filterwarnings("ignore", message=".*was active which is now deleted.*")
                 self.peft.delete_adapter(name)
+            # Deleting the active adapter makes PEFT activate another and freeze the rest
+            # (requires_grad=False): the other clients' next forward_backward would fail, or train
+            # nothing in a merged batch. Every remaining slot trains.
+            self._all_slots_train()
         else:
             # Last adapter gone: back to the bare base model (PEFT cannot delete its last adapter).
             self._base = self.peft.unload()
             self.peft = None
             self.optimizer = None
+
+    def _all_slots_train(self) -> None:
+        for slot_params in self._params.values():
+            for p in slot_params.values():
+                p.requires_grad_(True)
 
     def slot_parameters(self, name: str) -> Dict[str, torch.nn.Parameter]:
         return dict(self._params[name])

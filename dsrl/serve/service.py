@@ -55,6 +55,8 @@ class ServiceOptions:
     allow_full_parameter: bool = True
     max_chunk_datums: int = 1024
     max_merged_datums: int = 256
+    max_datum_tokens: int = 32768
+    max_num_samples: int = 128
     long_poll_seconds: float = 20.0
     custom_losses: Dict[str, str] = field(default_factory=dict)
     keep_sampler_snapshots: int = 2
@@ -232,7 +234,9 @@ class Service:
         return make_op
 
     def forward_backward(self, body: bytes) -> dict:
-        call = wire.decode_forward_backward(body)  # UserError: unreadable proto (no seq_id to consume)
+        # UserError: unreadable proto (no seq_id to consume); a request over the limits fails alone.
+        call = wire.decode_forward_backward(body, max_datums=self.opts.max_chunk_datums,
+                                            max_tokens=self.opts.max_datum_tokens)
         what = "forward" if call.forward_only else "forward_backward"
 
         def make(rid):
@@ -337,8 +341,9 @@ class Service:
         if prior is not None:
             return {"request_id": prior[0], "sample_sequence_ids": prior[1]}
         n = field_of(body, "num_samples", int, what, required=False, default=1)
-        if n < 1:
-            raise UserError(f"{what}: num_samples must be >= 1")
+        if not 1 <= n <= self.opts.max_num_samples:
+            raise UserError(f"{what}: num_samples={n} must be in [1, {self.opts.max_num_samples}] "
+                            f"(serve.max_num_samples)")
         rid = self.futures.create()
         ids = [f"{sid}:{seq_id}:{i}" for i in range(n)]
         with self._lock:

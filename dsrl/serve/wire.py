@@ -153,7 +153,7 @@ class ForwardBackwardCall:
     error: Optional[UserError] = None
 
 
-def _decode_tensor(t, where: str) -> torch.Tensor:
+def _decode_tensor(t, where: str, max_elements: int) -> torch.Tensor:
     np_dtype = _NUMPY.get(t.dtype)
     if np_dtype is None:
         raise UserError(f"{where}: unsupported dtype {_DTYPE_NAMES.get(t.dtype, t.dtype)} "
@@ -161,6 +161,9 @@ def _decode_tensor(t, where: str) -> torch.Tensor:
     shape = [int(s) for s in t.shape]
     if any(s < 0 for s in shape):
         raise UserError(f"{where}: negative shape {shape}")
+    if math.prod(shape) > max_elements:  # before any buffer of that size exists (sparse ones included)
+        raise UserError(f"{where}: shape {shape} holds {math.prod(shape)} values, more than "
+                        f"serve.max_datum_tokens={max_elements}")
     encoding = t.WhichOneof("encoding")
     if encoding == "sparse_csr":
         return _decode_csr(t.sparse_csr, np_dtype, t.dtype, shape, where)
@@ -202,7 +205,7 @@ def _to_torch(arr: np.ndarray, dtype: int) -> torch.Tensor:
     return torch.from_numpy(np.array(arr))  # owned, writable copy
 
 
-def _decode_datum(d, i: int) -> WireDatum:
+def _decode_datum(d, i: int, max_tokens: int) -> WireDatum:
     tokens: List[np.ndarray] = []
     for j, chunk in enumerate(d.model_input):
         kind = chunk.WhichOneof("chunk")
@@ -214,7 +217,10 @@ def _decode_datum(d, i: int) -> WireDatum:
             raise UserError(f"datum {i}: model_input chunk {j}: {len(raw)} bytes is not a whole number of int32 tokens")
         tokens.append(np.frombuffer(raw, dtype="<i4"))
     ids = np.concatenate(tokens) if tokens else np.zeros((0,), dtype="<i4")
-    inputs = {key: _decode_tensor(t, f"datum {i}: loss_fn_inputs[{key!r}]") for key, t in d.loss_fn_inputs.items()}
+    if ids.size > max_tokens:
+        raise UserError(f"datum {i}: model_input has {ids.size} tokens, more than serve.max_datum_tokens={max_tokens}")
+    inputs = {key: _decode_tensor(t, f"datum {i}: loss_fn_inputs[{key!r}]", max_tokens)
+              for key, t in d.loss_fn_inputs.items()}
     return WireDatum(model_input=torch.from_numpy(ids.astype(np.int64)), loss_fn_inputs=inputs)
 
 
@@ -230,9 +236,10 @@ def _decode_config(msg) -> Dict[str, object]:
     return out
 
 
-def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
+def decode_forward_backward(body: bytes, *, max_datums: int, max_tokens: int) -> ForwardBackwardCall:
     """Parse a ForwardBackwardRequest. An unparseable body raises UserError (nothing of it can be
-    trusted, not even the seq_id); a parseable one with a bad datum comes back with ``error``."""
+    trusted, not even the seq_id); a parseable one with a bad datum, more than `max_datums` datums
+    or a datum over `max_tokens` comes back with ``error`` (checked before decoding any tensor)."""
     msg = ForwardBackwardRequestProto()
     try:
         msg.ParseFromString(body)
@@ -243,7 +250,10 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
     call = ForwardBackwardCall(model_id=msg.model_id, seq_id=int(msg.seq_id), loss_fn=msg.loss_fn,
                                loss_fn_config=_decode_config(msg), forward_only=bool(msg.forward_only), data=[])
     try:
-        call.data = [_decode_datum(d, i) for i, d in enumerate(msg.data)]
+        if len(msg.data) > max_datums:
+            raise UserError(f"forward_backward: {len(msg.data)} datums in one request, more than "
+                            f"serve.max_chunk_datums={max_datums} (the SDK's fwdbwd_max_chunk_len)")
+        call.data = [_decode_datum(d, i, max_tokens) for i, d in enumerate(msg.data)]
     except UserError as e:
         call.error = e
         call.data = []

@@ -131,3 +131,18 @@ def test_rl_loop_with_importance_sampling_raises_reward(sc):
         assert np.isfinite(tc.forward_backward(data, "importance_sampling").result().metrics["loss:sum"])
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert np.mean(history[-2:]) > history[0] + 0.2, history
+
+
+def test_a_billion_samples_is_refused_at_once_and_the_server_serves_on(sc):
+    """num_samples=10**9 got no answer and drove the server into MemoryError before; now the request
+    fails alone, naming the field and serve.max_num_samples, and the next request is served."""
+    import time
+
+    types = _types()
+    base = sc.create_sampling_client(base_model=MODEL_NAME).result()
+    prompt = types.ModelInput.from_ints([1, 400, 500, 600])
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=r"num_samples=1000000000 must be in \[1, 128\] \(serve.max_num_samples\)"):
+        base.sample(prompt, 10 ** 9, types.SamplingParams(max_tokens=2, temperature=0.0)).result()
+    assert time.monotonic() - t0 < 30
+    assert len(base.sample(prompt, 2, types.SamplingParams(max_tokens=2)).result().sequences) == 2

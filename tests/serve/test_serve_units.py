@@ -28,6 +28,10 @@ def _sdk_request(data, loss_fn="ppo", config=None, seq_id=3, forward_only=False)
 
 
 # ------------------------------------------------------------------------------ wire
+def _decode(body: bytes, max_datums: int = 1024, max_tokens: int = 32768):
+    return wire.decode_forward_backward(body, max_datums=max_datums, max_tokens=max_tokens)
+
+
 def test_decode_sdk_request_dense_sparse_and_config():
     from tinker import types
 
@@ -40,7 +44,7 @@ def test_decode_sdk_request_dense_sparse_and_config():
                                      "weights": types.TensorData.from_torch_sparse(sparse)})
     assert d2.loss_fn_inputs["weights"].sparse_crow_indices is not None  # really sent as CSR
     body = _sdk_request([d1, d2], "ppo", {"clip_low_threshold": 0.7, "loss_id": "abc"}, forward_only=True)
-    call = wire.decode_forward_backward(body.SerializeToString())
+    call = _decode(body.SerializeToString())
     assert (call.model_id, call.seq_id, call.loss_fn, call.forward_only) == ("s-x:train:0", 3, "ppo", True)
     assert call.loss_fn_config == {"clip_low_threshold": 0.7, "loss_id": "abc"}  # v2: numbers and text
     assert call.error is None
@@ -91,7 +95,7 @@ def test_malformed_datum_is_a_user_error_naming_datum_and_field(mutate, needle):
     msg = _sdk_request(data, "cross_entropy")
     del msg.data[0].loss_fn_inputs["weights"].shape[:]
     mutate(msg)
-    call = wire.decode_forward_backward(msg.SerializeToString())
+    call = _decode(msg.SerializeToString())
     assert call.seq_id == 3 and call.data == []  # envelope readable: the request can still consume seq 3
     assert needle in str(call.error)
 
@@ -99,10 +103,43 @@ def test_malformed_datum_is_a_user_error_naming_datum_and_field(mutate, needle):
 def test_image_chunk_rejected_and_garbage_unreadable():
     msg = wire.ForwardBackwardRequestProto(model_id="m", seq_id=1, loss_fn="cross_entropy")
     msg.data.add().model_input.add().image.SetInParent()
-    call = wire.decode_forward_backward(msg.SerializeToString())
+    call = _decode(msg.SerializeToString())
     assert "datum 0: model_input chunk 0 is image" in str(call.error)
     with pytest.raises(UserError, match="not a ForwardBackwardRequest protobuf"):
-        wire.decode_forward_backward(b"\xff\xff\xff garbage")
+        _decode(b"\xff\xff\xff garbage")
+
+
+def test_oversized_requests_fail_alone_before_anything_is_allocated(monkeypatch):
+    """The limits (serve.max_chunk_datums, serve.max_datum_tokens) are checked on the declared
+    sizes: a sparse tensor declared [1, 10**10] is refused without densifying it (that allocated
+    37 GiB before), 1025 datums against a maximum of 1024 are refused (accepted before)."""
+    from tinker import types
+
+    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                        loss_fn_inputs={"target_tokens": [1, 2, 3], "weights": [1.0, 1.0, 1.0]})
+    call = _decode(_sdk_request([datum] * 5, "cross_entropy").SerializeToString(), max_datums=4)
+    assert call.data == [] and "5 datums in one request, more than serve.max_chunk_datums=4" in str(call.error)
+    assert _decode(_sdk_request([datum] * 4, "cross_entropy").SerializeToString(), max_datums=4).error is None
+    long = types.Datum(model_input=types.ModelInput.from_ints(list(range(10, 30))),
+                       loss_fn_inputs={"target_tokens": list(range(20)), "weights": [1.0] * 20})
+    call = _decode(_sdk_request([datum, long], "cross_entropy").SerializeToString(), max_tokens=16)
+    assert "datum 1: model_input has 20 tokens, more than serve.max_datum_tokens=16" in str(call.error)
+
+    msg = _sdk_request([datum], "cross_entropy")
+    w = msg.data[0].loss_fn_inputs["weights"]
+    w.ClearField("dense")
+    del w.shape[:]
+    w.shape.extend([1, 10 ** 10])
+    w.sparse_csr.crow_indices = np.array([0, 1], dtype="<i8").tobytes()
+    w.sparse_csr.col_indices = np.array([5], dtype="<i8").tobytes()
+    w.sparse_csr.values = np.array([1.0], dtype="<f4").tobytes()
+    allocated = []
+    real_zeros = np.zeros
+    monkeypatch.setattr(np, "zeros", lambda shape, *a, **k: allocated.append(shape) or real_zeros(shape, *a, **k))
+    call = _decode(msg.SerializeToString())
+    assert "datum 0: loss_fn_inputs['weights']: shape [1, 10000000000] holds 10000000000 values, more than " \
+           "serve.max_datum_tokens=32768" in str(call.error)
+    assert allocated == []  # refused from the declared shape
 
 
 # ------------------------------------------------------------------------------ order, futures, store
