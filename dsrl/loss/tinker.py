@@ -45,6 +45,7 @@ CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
 }
 
 # Tinker loss_fn -> required per-token loss_fn_inputs (client names).
@@ -54,6 +55,7 @@ REQUIRED_INPUTS: dict[str, tuple] = {
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
     "dro": ("target_tokens", "logprobs", "advantages"),
+    "gspo": ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"),
 }
 
 # Client loss_fn_inputs key -> key of LossInputs.batch (target_tokens become the gather labels).
@@ -61,11 +63,29 @@ BATCH_KEYS = {"weights": "loss_weights", "logprobs": "sampling_logprobs", "advan
 
 TINKER_LOSS_FNS = tuple(CONFIG_DEFAULTS)
 
+# SDK loss names whose objective Tinker does not publish completely: refused by name, with why,
+# never answered with a guessed loss.
+UNDEFINED_LOSS_FNS = {
+    "stable_reinforce": (
+        "Tinker's documentation (losses/stable-reinforce, alpha) describes how to use it (sampling with "
+        "record_stability_info=True, provenance spans naming the sampled sequence_ids) but not its "
+        "objective, which reads information Tinker records at sampling time and does not publish; this "
+        "server does not guess a loss under that name"),
+}
+
+
+def unsupported_message(loss_fn: str, offered) -> str:
+    why = UNDEFINED_LOSS_FNS.get(loss_fn)
+    if why is not None:
+        return f"loss_fn {loss_fn!r} is not offered: {why}. Use one of {list(offered)} instead " \
+               f"(the cookbook's RL loop trains with loss_fn='importance_sampling' or 'ppo')"
+    return f"unsupported loss_fn {loss_fn!r}; this server runs: {list(offered)}"
+
 
 def tinker_objective_name(loss_fn: str) -> str:
     """Registry name of a Tinker ``loss_fn``; ValueError for anything Tinker-unknown."""
     if loss_fn not in CONFIG_DEFAULTS:
-        raise ValueError(f"unsupported loss_fn {loss_fn!r}; supported: {list(TINKER_LOSS_FNS)}")
+        raise ValueError(unsupported_message(loss_fn, TINKER_LOSS_FNS))
     return NAMESPACE + loss_fn
 
 
@@ -215,3 +235,34 @@ def tinker_dro(inputs: LossInputs) -> LossOutput:
     diff = _log_ratio(inputs, m, "dro")
     adv = _field(inputs, "advantages", "dro")
     return _finish(inputs, -(inputs.log_probs * adv - 0.5 * cfg["beta"] * diff * diff), m)
+
+
+@register_objective(NAMESPACE + "gspo", config_defaults=CONFIG_DEFAULTS["gspo"],
+                    required_inputs=("sampling_logprobs", "advantages", "sequence_ratio_mask"), aggregation="sum",
+                    skip_zero_advantage_exact=True)
+def tinker_gspo(inputs: LossInputs) -> LossOutput:
+    """GSPO-token as the Tinker loss docs define it: per datum, the sequence log-ratio is the mean
+    of (sg(lp) - q) over the tokens `sequence_ratio_mask` marks; every token's ratio is
+    exp(that + lp - sg(lp)) (the sequence ratio's value, its own token's gradient), clipped like
+    ppo; raw sum of -min(ratio * A, clip(ratio) * A). A datum with loss tokens but no marked one
+    has no sequence ratio: refused, naming it."""
+    cfg = resolve_config("gspo", inputs.config)
+    m = _mask(inputs)
+    lp = inputs.log_probs
+    q = _field(inputs, "sampling_logprobs", "gspo")
+    in_ratio = (_field(inputs, "sequence_ratio_mask", "gspo") != 0) & (m != 0)
+    count = in_ratio.to(lp.dtype).sum(-1, keepdim=True)
+    empty = (count[:, 0] == 0) & (m != 0).any(-1)
+    if bool(empty.any()):
+        row = int(empty.nonzero()[0, 0])
+        indices = inputs.sample_indices if inputs.sample_indices is not None else inputs.batch.get("sample_indices")
+        datum = int(indices[row]) if indices is not None else row
+        raise ValueError(f"loss_fn 'gspo': datum {datum}: loss_fn_inputs['sequence_ratio_mask'] marks none of its "
+                         "tokens, so its sequence ratio is undefined")
+    token_log_ratio = torch.where(in_ratio, lp.detach() - q, torch.zeros_like(q))
+    seq_log_ratio = token_log_ratio.sum(-1, keepdim=True) / count.clamp(min=1.0)
+    ratio = torch.exp(seq_log_ratio + lp - lp.detach())
+    adv = _field(inputs, "advantages", "gspo")
+    clipped = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"]) * adv
+    token_loss = torch.where(m != 0, -torch.minimum(ratio * adv, clipped), torch.zeros_like(lp))
+    return _finish(inputs, token_loss, m)

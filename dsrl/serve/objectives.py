@@ -68,7 +68,7 @@ class ObjectiveTable:
                                      ("tinker", loss_fn, _freeze(config)))
         if loss_fn == "custom":
             return self._resolve_custom(cfg)
-        raise UserError(f"unsupported loss_fn {loss_fn!r}; this server runs: {self.supported()}")
+        raise UserError(tinker_losses.unsupported_message(loss_fn, self.supported()))
 
     def _resolve_custom(self, cfg: Dict[str, Any]) -> ResolvedObjective:
         loss_id = cfg.pop("loss_id", None)

@@ -1,4 +1,4 @@
-"""The five Tinker objectives on hand-computed inputs (tinker-protocol §1.2/§1.4, semantics §5.3)."""
+"""The Tinker objectives on hand-computed inputs (tinker-protocol §1.2/§1.4, semantics §5.3; gspo: the Tinker loss docs)."""
 from __future__ import annotations
 
 import math
@@ -35,8 +35,11 @@ def test_registered_under_namespace():
     for fn in LOSS_FNS:
         assert T.tinker_objective_name(fn) == "tinker:" + fn
         assert "tinker:" + fn in OBJECTIVES
-    with pytest.raises(ValueError, match="gspo"):
-        T.tinker_objective_name("gspo")
+    assert T.tinker_objective_name("gspo") == "tinker:gspo"
+    with pytest.raises(ValueError, match="'stable_reinforce' is not offered.*does not guess a loss"):
+        T.tinker_objective_name("stable_reinforce")
+    with pytest.raises(ValueError, match="unsupported loss_fn 'grpo'"):
+        T.tinker_objective_name("grpo")
 
 
 # ---- semantics §5.3 item 3: the 14 non-zero cases (float64) --------------------------------
@@ -240,3 +243,53 @@ def test_bad_config_values_rejected():
         T.resolve_config("ppo", {"clip_low_threshold": 2.0})
     with pytest.raises(ValueError, match="beta"):
         T.resolve_config("dro", {"beta": True})
+
+
+# ---- gspo (GSPO-token, the Tinker loss docs) by hand -----------------------------------------
+def _gspo(config=None, srm=None):
+    """Two datums in float64 (the values are worked out in the test below)."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-1.0, -1.0, -1.0, -1.0]], dtype=torch.float64)
+    q = torch.tensor([[-1.0 - math.log(2.0), -2.0, -0.5 - math.log(0.25), 7.0],
+                      [-1.0 - math.log(3.0), -1.0 + math.log(3.0), -1.0, -1.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -2.0, 3.0, 9.0], [2.0, 2.0, -1.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float64)
+    srm = srm if srm is not None else torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float64)
+    lp = lp.clone().requires_grad_(True)
+    inp = LossInputs(log_probs=lp, mask=mask, config=dict(config or {}), reduce=Aggregator.build("sum", mask),
+                     batch={"sampling_logprobs": q, "advantages": adv, "sequence_ratio_mask": srm},
+                     sample_indices=[4, 9])
+    out = OBJECTIVES["tinker:gspo"].fn(inp)
+    out.loss.backward()
+    return out, lp.grad
+
+
+def test_gspo_matches_the_documented_gspo_token_by_hand():
+    """Datum 0: log-ratios (ln 2, 0, ln 0.25) on its 3 tokens (the 4th is padding, outside the loss
+    mask though the ratio mask marks it): s = exp(mean) = exp(ln(0.5) / 3) = 0.5**(1/3) = 0.7937,
+    below 0.8: clipped to 0.8. Datum 1: the ratio mask marks tokens 0-1, log-ratios (ln 3, -ln 3):
+    s = 1, not clipped; tokens 2-3 carry s = 1 too. Per token: loss = -min(s A, clip(s) A);
+    d loss / d lp_t = -s A where min picks the unclipped term, else 0 (a clipped constant)."""
+    out, grad = _gspo()
+    s0 = 0.5 ** (1 / 3)
+    # datum 0: A = (1, -2, 3): min(s A, 0.8 A) is s A for A > 0 (s < 0.8), 0.8 A for A < 0.
+    want_loss0 = [-s0 * 1, -0.8 * -2, -s0 * 3]
+    want_grad0 = [-s0 * 1, 0.0, -s0 * 3, 0.0]
+    want_loss1 = [-2.0, -2.0, 1.0, 0.0]
+    want_grad1 = [-2.0, -2.0, 1.0, -0.0]
+    assert float(out.loss) == pytest.approx(sum(want_loss0) + sum(want_loss1), rel=1e-12)
+    torch.testing.assert_close(grad, torch.tensor([want_grad0, want_grad1], dtype=torch.float64), rtol=1e-12,
+                               atol=1e-15)
+    assert [d["sample_index"] for d in out.per_datum] == [4, 9]
+    torch.testing.assert_close(out.per_datum[0]["elementwise_loss"][:3],
+                               torch.tensor(want_loss0, dtype=torch.float64), rtol=1e-12, atol=0)
+    # A lower clip bound below s0 leaves datum 0 unclipped: token 1 then has gradient -s0 * -2.
+    _, grad = _gspo({"clip_low_threshold": 0.5})
+    assert float(grad[0, 1]) == pytest.approx(2 * s0, rel=1e-12)
+
+
+def test_gspo_refuses_a_datum_whose_ratio_mask_marks_none_of_its_tokens():
+    srm = torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"loss_fn 'gspo': datum 9: .*sequence_ratio_mask'\] marks none"):
+        _gspo(srm=srm)
+    with pytest.raises(ValueError, match="unknown loss_fn_config key 'beta' for loss_fn 'gspo'"):
+        _gspo({"beta": 1.0})
