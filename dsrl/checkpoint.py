@@ -66,6 +66,44 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+# ---------------------------------------------------------------------------------------- layout
+def check_shared_checkpoint_folder(run_dir: str) -> None:
+    """Collective, before training: every rank must see rank 0's checkpoint folder (it is written
+    by all ranks, then completed, renamed and pruned by rank 0 alone). On node-local disks a rank on
+    another node would leave its shards in a temporary folder nobody renames, and a resume there
+    would find nothing: refused here, naming the path and the ranks that do not see it."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    import socket
+    import uuid
+
+    root = os.path.join(run_dir, CHECKPOINTS)
+    token = _broadcast(uuid.uuid4().hex if global_rank() == 0 else None)
+    probe = os.path.join(root, f".shared-probe-{token}")
+    if global_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write(token)
+    _barrier()
+    try:
+        with open(probe) as f:
+            seen = f.read() == token
+    except OSError:
+        seen = False
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (global_rank(), socket.gethostname(), os.path.abspath(root), seen))
+    _barrier()
+    if global_rank() == 0:
+        os.remove(probe)
+    blind = [f"rank {r} on {host} ({path})" for r, host, path, ok in views if not ok]
+    if blind:
+        from dsrl.config.reuse import ConfigError
+
+        raise ConfigError(f"checkpoints: {views[0][2]} is not shared by every rank ({', '.join(blind)} cannot see "
+                          "what rank 0 writes there): checkpoints and resume need one folder all nodes share; "
+                          "put hydra.run.dir (or trainer.resume_from) on a shared filesystem")
+
+
 # ---------------------------------------------------------------------------------------- RNG
 def capture_rng() -> dict:
     import numpy as np

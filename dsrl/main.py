@@ -134,6 +134,9 @@ def build(cfg_node: DictConfig, run_dir: str):
         init_distributed()
     torch.manual_seed(cfg.trainer.seed)
     torch.set_num_threads(cfg.actor.num_threads)  # resolved by dsrl.hardware
+    from dsrl.checkpoint import check_shared_checkpoint_folder
+
+    check_shared_checkpoint_folder(run_dir)  # node-local checkpoint folders: refused before any model loads
     resume_point = _resume_point(cfg, run_dir, auto_keys)  # a config that breaks exact resume fails here
     if is_main_rank():
         OmegaConf.save(cfg_node, os.path.join(run_dir, "config.yaml"), resolve=True)
