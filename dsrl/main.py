@@ -48,6 +48,28 @@ def _resolve_hardware(cfg, cfg_node: DictConfig) -> list:
     return decisions
 
 
+class StartupError(RuntimeError):
+    """A component (Ray, DeepSpeed, vLLM) failed to start; the message names the cause and the
+    keys to look at, the traceback is in run.log."""
+
+
+@contextlib.contextmanager
+def _starting(what: str, keys: str):
+    """Turn a start-up failure of `what` into one StartupError line naming its cause and `keys`;
+    the whole traceback goes to run.log only. Config errors pass as they are."""
+    from dsrl.config.reuse import ConfigError
+
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as e:
+        log.error("%s failed to start", what, exc_info=True, extra={"console": False})
+        cause = (str(e).strip().splitlines() or [""])[0][:300]
+        raise StartupError(f"{what} failed to start: {type(e).__name__}: {cause} (look at {keys}; "
+                           "the traceback is in run.log)") from e
+
+
 def _has_cuda() -> bool:
     import torch
 
@@ -146,10 +168,18 @@ def build(cfg_node: DictConfig, run_dir: str):
     check_prompt_lengths(source, tokenizer, cfg)  # over-long prompts: named error or skipped, before any engine
     # vLLM engines before the models (a colocated engine sizes its memory first); the hf backend
     # after the actor, whose module it shares (built in _build_trainer).
-    worker = None if cfg.rollout.backend == "hf" else build_rollout(cfg, model_path, run_dir)
+    worker = None
+    if cfg.rollout.backend != "hf":
+        what = "the Ray-placed vLLM engines" if cfg.rollout.placement == "ray" else "the vLLM rollout engine"
+        keys = ("rollout.ray_address, rollout.num_engines, rollout.cpus_per_engine" if cfg.rollout.placement == "ray"
+                else "rollout.kv_cache_gib, rollout.gpu_memory_utilization, rollout.max_model_len, rollout.dtype")
+        with _starting(what, keys):
+            worker = build_rollout(cfg, model_path, run_dir)
     try:
-        trainer = _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir,
-                                 auto_keys)
+        with _starting("the DeepSpeed engines (actor, reference, teacher, critic)",
+                       "actor.zero_stage, actor.micro_batch_size, model.dtype, model.path"):
+            trainer = _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir,
+                                     auto_keys)
         if resume_point is not None:
             trainer.restore(resume_point)
         return trainer
@@ -239,6 +269,9 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as e:
         print(f"dsrl: {e}", file=sys.stderr)
         sys.exit(2)
+    except StartupError as e:
+        print(f"dsrl: {e}", file=sys.stderr)
+        sys.exit(1)
     except RunStopped as e:
         print(f"dsrl: stopped by {signal.Signals(e.signum).name} after step {e.step}; "
               f"checkpoint: {e.checkpoint} (resume: trainer.resume_from={os.path.dirname(os.path.dirname(e.checkpoint))})",

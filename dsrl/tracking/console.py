@@ -69,6 +69,8 @@ class ConsoleFilter(logging.Filter):
         self._seen: set = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.__dict__.get("console") is False:  # log.x(..., extra={"console": False}): run.log only
+            return False
         if _is_dsrl(record.name):
             return record.levelno >= logging.INFO
         if record.levelno < (logging.INFO if self.verbose else logging.WARNING):

@@ -224,3 +224,26 @@ def test_generation_shows_one_dsrl_bar():
         assert bar.n == 8 and bar.format_dict["elapsed"] >= 0
     finally:
         bar.close()
+
+
+def test_a_start_up_failure_is_one_line_naming_cause_and_keys_with_the_traceback_in_run_log(tmp_path, fresh_logging):
+    """dsrl.main._starting: a Ray / DeepSpeed / vLLM start-up error becomes one StartupError line
+    (printed as `dsrl: ...` by main) naming the cause and the keys to look at; the traceback goes to
+    run.log and not to the console. Config errors pass through unchanged."""
+    from dsrl.config.reuse import ConfigError
+    from dsrl.main import StartupError, _starting
+
+    out, paths = _setup(tmp_path)
+    with pytest.raises(StartupError) as err:
+        with _starting("the vLLM rollout engine", "rollout.kv_cache_gib, rollout.max_model_len"):
+            raise MemoryError("cannot allocate 96 GiB for the KV cache\nlong engine detail")
+    assert str(err.value) == ("the vLLM rollout engine failed to start: MemoryError: cannot allocate 96 GiB for the "
+                              "KV cache (look at rollout.kv_cache_gib, rollout.max_model_len; the traceback is in "
+                              "run.log)")
+    _flush()
+    logged = paths["run_log"].read_text()
+    assert "Traceback" in logged and "long engine detail" in logged
+    assert "Traceback" not in out.getvalue() and "long engine detail" not in out.getvalue()
+    with pytest.raises(ConfigError, match="bad key"):
+        with _starting("x", "y"):
+            raise ConfigError("bad key")
