@@ -9,10 +9,20 @@ handle; one `collective_rpc` carries it with the tensors' metadata; the engine's
 the buffer on ITS index of the same physical GPU (the two processes may number GPUs differently,
 so the handle names the GPU by UUID and the consumer overrides `storage_device`, args[6]) and
 loads it like a shared-memory bucket (dsrl.rollout.engine_load: one layerwise-reload session over
-all buckets). The handle does not keep the storage alive: the producer holds every bucket until
-the last bucket's call has returned (loaders may keep views until their layer is complete), then
-drops them and calls `torch.cuda.ipc_collect()`. Needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set by
-dsrl.rollout.vllm_worker). Never load into a sleeping engine (P1): wake its weights first."""
+all buckets).
+
+Memory bound: the trainer never holds a second full copy of the model on its GPU. The buckets
+stream: dsrl.rollout.weight_sync packs them lazily, and here each bucket is dropped by the
+producer as soon as the engine's call for it has returned; only the next bucket is held besides
+(the `last` flag needs one bucket of look-ahead). A dropped block stays valid while the engine
+still maps it: torch's CUDA IPC reference counting keeps a sent block out of the caching
+allocator until every consumer released it (`torch.cuda.ipc_collect()` reclaims those). The
+engine releases a bucket once vLLM's layerwise reload no longer buffers views of it, i.e. when
+every layer with a tensor in it is complete (dsrl.rollout.engine_load keeps no extra reference).
+So at most two buckets plus the buckets of the one layer group being loaded are live: bytes in
+flight <= 2 * rollout.sync_bucket_mb + one decoder layer (tests/rollout/test_ipc_stream.py counts
+them on CPU). Needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set by dsrl.rollout.vllm_worker). Never
+load into a sleeping engine (P1): wake its weights first."""
 from __future__ import annotations
 
 from typing import Iterable, List
@@ -61,9 +71,9 @@ def load_ipc_bucket(worker, handle: dict, rows: List[MetaTuple], first: bool, la
 
 
 def push_ipc_buckets(llm, buckets: Iterable[Bucket]) -> int:
-    """Trainer side: every bucket into the engine, one RPC each; returns the bytes sent. The
-    'last' flag needs one bucket of look-ahead, so two buckets are alive before the first call."""
-    held: List[torch.Tensor] = []
+    """Trainer side: every bucket into the engine, one RPC each, dropped once its call returned
+    (see the module docstring for the bound); returns the bytes sent. `buckets` may be a lazy
+    iterator (it is consumed once). The 'last' flag needs one bucket of look-ahead."""
     sent = 0
     it = iter(buckets)
     current = next(it, None)
@@ -71,13 +81,13 @@ def push_ipc_buckets(llm, buckets: Iterable[Bucket]) -> int:
     try:
         while current is not None:
             nxt = next(it, None)
-            held.append(current.data)
             llm.collective_rpc(load_ipc_bucket, args=(ipc_handle(current.data), meta_tuples(current.metas),
                                                       first, nxt is None))
             sent += current.nbytes
-            first, current = False, nxt
+            first, current = False, nxt  # the loaded bucket's last producer reference goes here
+            torch.cuda.ipc_collect()  # blocks the engine has released go back to the allocator
         torch.cuda.synchronize()
     finally:
-        held.clear()
+        current = None
         torch.cuda.ipc_collect()
     return sent

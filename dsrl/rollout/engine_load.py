@@ -12,10 +12,11 @@ only safe when buckets never split a layer. Instead a sync is ONE session spread
 calls: the first call opens it (initialize_layerwise_reload), every call runs `model.load_weights`
 on its bucket (HF names; vLLM fuses qkv/gate_up and repacks for the CPU kernels once a layer is
 complete), the last call closes it (finalize_layerwise_reload), re-ties the head and drops the
-runner's derived caches, exactly as `reload_weights` does in one call. The bucket buffers stay
-mapped until the session closes, because loaders may hold views of them until their layer is
-complete. While a session is open the model cannot run: a sync is never interleaved with
-generation (the caller does both from one thread)."""
+runner's derived caches, exactly as `reload_weights` does in one call. vLLM's loaders keep views
+of a bucket until every layer with a tensor in it is complete; those views keep the buffer alive,
+and nothing here holds it longer, so a bucket is released as soon as its layers are loaded (the
+CUDA IPC path's memory bound, dsrl.rollout.cuda_ipc). While a session is open the model cannot
+run: a sync is never interleaved with generation (the caller does both from one thread)."""
 from __future__ import annotations
 
 from typing import List, Sequence, Tuple
@@ -24,8 +25,6 @@ import torch
 
 from dsrl.rollout.buckets import TensorMeta, unpack_buffer
 
-# Buffers of the open session in this worker process (released when the last bucket is loaded).
-_SESSION: List[torch.Tensor] = []
 
 MetaTuple = Tuple[str, str, Tuple[int, ...], int, int]  # TensorMeta as plain data (msgpack-able)
 
@@ -66,9 +65,7 @@ def load_bucket(worker, data: torch.Tensor, metas: Sequence[TensorMeta], first: 
     model = worker.model_runner.get_model()
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
         if first:
-            _SESSION.clear()
             initialize_layerwise_reload(model)
-        _SESSION.append(data)
         tensors = unpack_buffer(data, metas)
         model.load_weights(iter(tensors))
         if last:
@@ -82,7 +79,6 @@ def load_bucket(worker, data: torch.Tensor, metas: Sequence[TensorMeta], first: 
                         fn()
             finally:
                 del tensors
-                _SESSION.clear()
     return len(metas)
 
 

@@ -73,7 +73,11 @@ class ResilientWorker:
             refs = staging.stage(weights)
             seconds = self._call("load_shared_weights", refs)
         else:
-            seconds = self._call("push_weights", weights, step)
+            # A streamed push (CUDA IPC: a one-pass iterator of GPU buckets) cannot be replayed
+            # into a rebuilt engine: a failure there stops the run instead of retrying with a
+            # half-consumed stream.
+            replayable = isinstance(weights, (Mapping, list, tuple))
+            seconds = self._call("push_weights", weights, step, _replayable=replayable)
         self._pushed = True
         return seconds
 
@@ -133,7 +137,7 @@ class ResilientWorker:
         return out
 
     # ------------------------------------------------------------------ retry and restart
-    def _call(self, method: str, *args, **kwargs):
+    def _call(self, method: str, *args, _replayable: bool = True, **kwargs):
         if self.worker is None:
             raise RuntimeError(f"{self.name}: used after close()")
         failures = 0
@@ -146,11 +150,13 @@ class ResilientWorker:
                 failures += 1
                 if self.worker is not None:
                     self.worker.kill()
-                if failures > self.max_restarts:
+                if failures > self.max_restarts or not _replayable:
                     self.worker = None
+                    why = ("" if _replayable else " (a streamed weight push cannot be replayed into a rebuilt engine; "
+                           "resume from the last checkpoint)")
                     raise RolloutEngineError(
                         f"{self.name}: {method} failed {failures} time(s) (rollout.max_restarts={self.max_restarts}); "
-                        f"last cause: {e}") from e.__cause__
+                        f"last cause: {e}{why}") from e.__cause__
                 log.warning("%s: %s failed (%s); restarting the engine (restart %d of at most %d)", self.name,
                             method, e, failures, self.max_restarts)
 
@@ -184,11 +190,18 @@ class ResilientWorker:
     def _attempt(self, fn, *args, **kwargs):
         """Run fn in a daemon thread; return its result or raise its error, or raise
         _EngineFailed when the engine dies or the call outlives rollout.timeout_s."""
+        import torch
+
         box: dict = {}
         done = threading.Event()
+        # The CUDA device is per thread: the call (a streamed push packs GPU buckets, ZeRO-3 gathers
+        # included) must run on the caller's, not on cuda:0.
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
         def target():
             try:
+                if device is not None:
+                    torch.cuda.set_device(device)
                 box["value"] = fn(*args, **kwargs)
             except BaseException as e:  # handed to the caller below
                 box["error"] = e

@@ -127,18 +127,27 @@ class WeightSync:
         alloc_fn = getattr(self.worker, "bucket_allocator", None)
         alloc = alloc_fn() if callable(alloc_fn) else None
         device: Optional[str] = "cpu"
-        if alloc is None and _ipc_worker(self.worker):
+        stream = alloc is None and _ipc_worker(self.worker)
+        if stream:
             from dsrl.rollout.cuda_ipc import gpu_alloc
 
             device, alloc = None, gpu_alloc()  # buckets on the GPU for CUDA IPC (dsrl.rollout.cuda_ipc)
-        # Packed to the end on every rank before any engine call: the ZeRO-3 gathers are done
-        # even on ranks whose worker does not load (a leader-driven multi-engine worker).
-        buckets = list(pack_buckets(self.actor.export_named_tensors(copy=False, device=device),
-                                    self.bucket_bytes, alloc=alloc))
-        nbytes, count = sum(b.nbytes for b in buckets), len(buckets)
-        self.worker.push_weights(buckets, step)
+        packed = pack_buckets(self.actor.export_named_tensors(copy=False, device=device), self.bucket_bytes,
+                              alloc=alloc)
+        if stream:
+            # CUDA IPC into this rank's own engine: the buckets stream, one or two alive at a time,
+            # never a second full copy of the model on the GPU (the bound: dsrl.rollout.cuda_ipc).
+            counted = _Counted(packed)
+            self.worker.push_weights(counted, step)
+            nbytes, count = counted.nbytes, counted.count
+        else:
+            # Packed to the end on every rank before any engine call: the ZeRO-3 gathers are done
+            # even on ranks whose worker does not load (a leader-driven multi-engine worker).
+            buckets = list(packed)
+            nbytes, count = sum(b.nbytes for b in buckets), len(buckets)
+            self.worker.push_weights(buckets, step)
+            del buckets
         self.actor.weights_pushed()
-        del buckets
         seconds = time.perf_counter() - t0
         metrics = {"timing/sync_seconds": all_reduce_max(seconds), "rollout/sync_bytes": float(nbytes),
                    "rollout/sync_buckets": float(count)}
@@ -219,6 +228,22 @@ class WeightSync:
                                   f"rollout.sync_tolerance={self.tolerance:g} (the engine does not serve the "
                                   f"trainer's weights)")
         return worst
+
+
+class _Counted:
+    """An iterator over buckets that counts what went through it (one pass)."""
+
+    def __init__(self, buckets):
+        self._it, self.nbytes, self.count = iter(buckets), 0, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        bucket = next(self._it)
+        self.nbytes += bucket.nbytes
+        self.count += 1
+        return bucket
 
 
 def _ipc_worker(worker) -> bool:
