@@ -114,6 +114,7 @@ def measure_memory(overrides, rank, mode) -> dict:
                               group=i // cfg.algo.n_samples_per_prompt, index=i))
     for _ in range(2):
         chunks = [samples[i:i + ac.micro_batch_size] for i in range(0, n, ac.micro_batch_size)]
+        actor.weights_pushed()  # a new rollout from these weights (reuse refuses steps since the last push)
         for j, chunk in enumerate(chunks):
             mb = collate(chunk, pad_id=0)
             mb["advantages"] = torch.randn(mb["loss_mask"].shape, generator=g) * mb["loss_mask"]

@@ -12,6 +12,20 @@ from typing import List
 
 from dsrl.serve.service import ServiceOptions
 
+# The key in the README and the example config: anyone may know it.
+PUBLISHED_KEY = "tml-dsrl-local"
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: may resolve to anything
+
 
 def serve_errors(cfg) -> List[str]:
     """Problems with ``cfg.serve`` (a typed Config), each naming its key."""
@@ -24,6 +38,9 @@ def serve_errors(cfg) -> List[str]:
     keys = list(s.api_keys or [])
     if not keys:
         errors.append("serve.api_keys is empty: every request must carry a key, give at least one (tml-...)")
+    if PUBLISHED_KEY in keys and not _loopback(str(s.host)):
+        errors.append(f"serve.api_keys holds the published default key {PUBLISHED_KEY!r} while serve.host={s.host!r} "
+                      "is reachable from other machines: set your own key (tml-...) or bind 127.0.0.1")
     for i, k in enumerate(keys):
         if not isinstance(k, str) or not k.startswith("tml-") or len(k) < 8:
             errors.append(f"serve.api_keys[{i}] must be a string starting with 'tml-' (the SDK refuses others), "

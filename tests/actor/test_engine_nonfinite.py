@@ -50,6 +50,7 @@ def _mb(seed: int) -> dict:
 def _step(eng: ActorEngine, mbs: list, objectives: list | None = None) -> float:
     """forward_backward every microbatch (the last one closes the accumulation), then the step."""
     objectives = objectives or [PPO] * len(mbs)
+    eng.weights_pushed()  # a new rollout from these weights (reuse refuses steps since the last push)
     for i, (mb, obj) in enumerate(zip(mbs, objectives)):
         reduce = Reduction("token-mean", global_tokens=float(mb["loss_mask"].sum()))
         eng.forward_backward(mb, obj, {}, reduce, reuse_training_logprobs=True, is_last=i == len(mbs) - 1)

@@ -89,6 +89,7 @@ def _engine(path, zero_stage, lora=None):
 
 
 def _backward(eng, mb):
+    eng.weights_pushed()  # a new rollout from these weights (reuse refuses steps since the last push)
     reduce = Reduction("token-mean", global_tokens=float(mb["loss_mask"].sum()))
     eng.forward_backward(mb, PPO, {}, reduce, reuse_training_logprobs=True, is_last=True)
 

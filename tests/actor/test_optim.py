@@ -78,6 +78,7 @@ def test_single_rank_zero0_skips_the_allreduce_and_trains_the_same(tiny_model_pa
 
     def train(eng):
         for k, is_last in ((1, False), (3, True)):
+            eng.weights_pushed()  # a new rollout from these weights (reuse refuses steps since the last push)
             for i, mb in enumerate([_mb(k), _mb(k + 1)]):
                 reduce = Reduction("token-mean", global_tokens=float(mb["loss_mask"].sum()))
                 eng.forward_backward(mb, PPO, {}, reduce, reuse_training_logprobs=True, is_last=is_last and i == 1)

@@ -63,3 +63,24 @@ def test_server_process_answers_the_sdk(tmp_path, tiny_model_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("host,refused", [("0.0.0.0", True), ("10.1.2.3", True), ("myhost", True),
+                                          ("127.0.0.1", False), ("::1", False), ("localhost", False)])
+def test_the_published_key_is_refused_off_loopback(host, refused):
+    """serve.api_keys=[tml-dsrl-local] (the README's key) on an interface other machines reach:
+    refused before anything loads, naming serve.api_keys; with your own key it is fine."""
+    import dataclasses
+
+    from dsrl.config.schema import Config
+    from dsrl.serve.config import serve_errors
+
+    cfg = Config()
+    cfg.serve = dataclasses.replace(cfg.serve, host=host, api_keys=["tml-dsrl-local"])
+    errors = [e for e in serve_errors(cfg) if "published default key" in e]
+    assert bool(errors) is refused
+    if refused:
+        assert errors[0].startswith("serve.api_keys holds the published default key 'tml-dsrl-local' while "
+                                    f"serve.host={host!r}")
+    cfg.serve = dataclasses.replace(cfg.serve, api_keys=["tml-my-own-secret"])
+    assert not [e for e in serve_errors(cfg) if "published default key" in e]
