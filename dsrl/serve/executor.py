@@ -4,7 +4,8 @@ A batch is the first queued op plus every later queued op with the same ``merge_
 run with it without breaking any client's order: scanning the queue, an op is taken only if no
 earlier op of its client stayed behind. So consecutive forward_backward chunks of one client
 (the SDK sends the first chunk last, all of them at once) become one forward, and so do
-requests of several LoRA slots, and several slots' optim_steps become one optimizer step."""
+requests of several LoRA slots, and several slots' optim_steps become one optimizer step (one
+per slot: a client's second optim_step waits for the next batch)."""
 from __future__ import annotations
 
 import logging
@@ -25,6 +26,9 @@ class Op:
     merge_key: Optional[Hashable] = None  # ops with equal non-None keys may run as one batch
     size: int = 1  # datums (fwdbwd) for the batch cap
     extra: dict = field(default_factory=dict)
+    # False: at most one op of this lane in a batch (two optim_steps of one client are two steps;
+    # consecutive forward_backward chunks of one client do merge).
+    merges_within_lane: bool = True
 
 
 class Executor:
@@ -50,11 +54,14 @@ class Executor:
             return batch
         size = first.size
         blocked = set()
+        lanes = {first.lane}
         keep: Deque[Op] = deque()
         for op in self._queue:
-            if (op.lane not in blocked and op.merge_key == first.merge_key and size + op.size <= self._max):
+            if (op.lane not in blocked and op.merge_key == first.merge_key and size + op.size <= self._max
+                    and (op.merges_within_lane or op.lane not in lanes)):
                 batch.append(op)
                 size += op.size
+                lanes.add(op.lane)
             else:
                 blocked.add(op.lane)
                 keep.append(op)

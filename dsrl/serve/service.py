@@ -257,7 +257,7 @@ class Service:
         def make(rid):
             params = parse_adam(body)
             key = ("optim", "lora") if self.model_meta[model_id]["is_lora"] else None
-            return Op("optim", model_id, rid, payload=params, merge_key=key)
+            return Op("optim", model_id, rid, payload=params, merge_key=key, merges_within_lane=False)
         return self._sequenced(model_id, body.get("seq_id"), "optim_step", self._checked("optim_step", make))
 
     def save_weights(self, body: dict) -> dict:
@@ -473,6 +473,8 @@ class Service:
         if len(batch) == 1:
             metrics = {batch[0].request_id: models[0].optim_step(batch[0].payload)}
         else:  # several LoRA slots: one merged optimizer step, each slot clipped on its own
+            if len({op.lane for op in batch}) != len(batch):
+                raise RuntimeError("serve: one optimizer step got two optim_steps of one client")
             pool = models[0].pool
             per_tag = pool.step({m.tag: op.payload for m, op in zip(models, batch)})
             metrics = {op.request_id: per_tag[m.tag] for m, op in zip(models, batch)}

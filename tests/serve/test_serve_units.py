@@ -187,6 +187,31 @@ def test_executor_merges_without_reordering_a_client():
     assert batches == [["b0"], ["a1", "b1", "c1"], ["a2", "b2"], ["a3"]]
 
 
+def test_two_queued_optim_steps_of_one_client_are_two_steps():
+    """Both optim_steps of client A (each with its own AdamParams) were merged into one batch before,
+    and the merged pool step kept one of them: one step, both futures with its metrics."""
+    import threading
+
+    from dsrl.serve.executor import Executor, Op
+
+    gate, batches = threading.Event(), []
+
+    def run(batch):
+        gate.wait(5)
+        batches.append([op.request_id for op in batch])
+
+    ex = Executor(run, max_batch_size=100)
+    ex.put([Op("x", "blocker", "b0")])
+    key = ("optim", "lora")
+    ex.put([Op("optim", "A", "a1", merge_key=key, merges_within_lane=False),
+            Op("optim", "A", "a2", merge_key=key, merges_within_lane=False),
+            Op("optim", "B", "b1", merge_key=key, merges_within_lane=False)])
+    gate.set()
+    assert ex.idle(5)
+    ex.stop()
+    assert batches == [["b0"], ["a1", "b1"], ["a2"]]
+
+
 def test_future_long_poll_returns_when_set_or_times_out():
     import threading
 
