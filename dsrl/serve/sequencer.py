@@ -30,9 +30,12 @@ class Sequencer:
         with self._lock:
             self._lanes.setdefault(key, _Lane(next_seq=int(first_seq)))
 
-    def close(self, key: str) -> None:
+    def close(self, key: str) -> List[Tuple[int, Any]]:
+        """End lane ``key``; returns the (seq_id, op) that arrived early and will now never run, in
+        seq order (their futures must be answered: nobody else will)."""
         with self._lock:
-            self._lanes.pop(key, None)
+            lane = self._lanes.pop(key, None)
+        return sorted(lane.pending.items(), key=lambda kv: kv[0]) if lane else []
 
     def is_open(self, key: str) -> bool:
         with self._lock:

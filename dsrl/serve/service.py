@@ -131,7 +131,10 @@ class Service:
             s.finished = True
             models = list(s.models)
         for mid in models:
-            self.sequencer.close(mid)
+            for seq_id, op in self.sequencer.close(mid):  # arrived early; the gap before it never came
+                self.futures.fail(op.request_id, UserError(
+                    f"{mid}: session {session_id} finished while request seq_id {seq_id} waited for an earlier "
+                    "seq_id that never arrived; it did not run"))
             self.executor.put([Op("release", mid, "", payload=None)])
 
     def capabilities(self) -> dict:
@@ -397,10 +400,15 @@ class Service:
         (op,) = batch
         spec, load = op.payload
         model = self._build_model(op.lane, spec)
+        if load is not None:
+            try:
+                self._load_into(model, load[0], load[1])
+            except BaseException:
+                model.release()  # a failed load frees its slot (or engine) before the error is answered
+                raise
         self.models[op.lane] = model
         if load is not None:
-            ckpt, optimizer = load
-            self._load_into(model, ckpt, optimizer)
+            ckpt = load[0]
             self.futures.resolve(op.request_id, JsonReply({"type": "load_weights", "path": ckpt.tinker_path,
                                                            "model_id": op.lane}))
         else:

@@ -380,3 +380,54 @@ def test_sampling_seed_is_checked_and_reaches_vllm():
     for bad in ("7", 1.5, True, -1):
         with pytest.raises(UserError, match="sampling_params.seed"):
             parse_sampling_params({"seed": bad})
+
+
+def test_a_failed_load_frees_the_slot_it_built():
+    """create_training_client_from_state whose checkpoint does not fit: the model built for it is
+    released (its LoRA slot or DeepSpeed engine freed) and never registered; the error is answered."""
+    from types import SimpleNamespace
+
+    from dsrl.serve.errors import UserError
+    from dsrl.serve.executor import Op
+    from dsrl.serve.service import Service
+
+    released = []
+    model = SimpleNamespace(release=lambda: released.append(True))
+
+    def bad_load(m, ckpt, optimizer):
+        raise UserError("load_weights: tinker://x holds a full state; this client is LoRA")
+
+    fake = SimpleNamespace(models={}, _build_model=lambda lane, spec: model, _load_into=bad_load,
+                           futures=SimpleNamespace(resolve=lambda *a: pytest.fail("resolved a failed load")))
+    with pytest.raises(UserError, match="holds a full state"):
+        Service._do_create(fake, [Op("create", "s-1:train:0", "r1", payload=(None, (object(), True)))])
+    assert released == [True] and fake.models == {}
+
+
+def test_finish_session_answers_requests_waiting_for_a_seq_id_that_never_came():
+    """A request that arrived early (seq 3 while seq 2 never came) waited in the sequencer; when the
+    session finished, close() dropped it and its future was never answered (the SDK polled
+    try_again forever). Now it fails, naming the session and the seq_id; queued work still runs."""
+    import threading
+    from types import SimpleNamespace
+
+    from dsrl.serve.futures import FutureStore
+    from dsrl.serve.sequencer import Sequencer
+    from dsrl.serve.service import Service, _Session
+
+    put = []
+    futures = FutureStore()
+    fake = SimpleNamespace(_lock=threading.Lock(), sessions={"s-1": _Session("s-1", models=["s-1:train:0"])},
+                           futures=futures, executor=SimpleNamespace(put=put.extend))
+    fake.sequencer = Sequencer(put.extend)
+    fake.sequencer.open("s-1:train:0")
+    r1, _ = fake.sequencer.submit("s-1:train:0", 1, futures.create, lambda rid: SimpleNamespace(request_id=rid))
+    r3, _ = fake.sequencer.submit("s-1:train:0", 3, futures.create, lambda rid: SimpleNamespace(request_id=rid))
+    assert [op.request_id for op in put] == [r1] and not futures.done(r3)
+    Service.finish_session(fake, "s-1")
+    assert futures.done(r3)
+    body = futures.result(r3, timeout=1).body
+    assert body["category"] == "user"
+    assert body["error"] == ("s-1:train:0: session s-1 finished while request seq_id 3 waited for an earlier seq_id "
+                             "that never arrived; it did not run")
+    assert put[-1].kind == "release"
