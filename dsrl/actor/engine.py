@@ -25,9 +25,9 @@ from dsrl.actor.nonfinite import guarded_step
 from dsrl.actor.optim import adamw, skip_single_rank_allreduce
 from dsrl.actor.shared_prompt import FORWARD_KEYS, additive_mask, head_rows, is_shared_prompt_batch
 from dsrl.actor.stochastic import apply_dropout_knobs
+from dsrl.config.reuse import ReuseInvariantError
 from dsrl.distributed.ports import free_port
 from dsrl.loss.registry import ObjectiveSpec
-from dsrl.config.reuse import ReuseInvariantError
 from dsrl.loss.types import LossInputs, LossOutput, Reduction
 
 _DS_TAG = "deepspeed"  # sub-folder of a dsrl checkpoint holding DeepSpeed's files
@@ -249,7 +249,7 @@ class ActorEngine:
                                 sample_indices=mb.get("sample_indices"))
             if reuse_training_logprobs and not lp.requires_grad:
                 raise ReuseInvariantError("reuse_training_logprobs: the training forward's log-probs carry no "
-                                          "gradient (a no-grad context or a frozen model), so they are no "
+                                          "gradient (a no-grad context or a frozen model): there is no "
                                           "training forward to reuse")
             out = objective.fn(inputs)
             if "rollout_log_probs" in mb:
