@@ -115,6 +115,7 @@ class ActorEngine:
         # Optimizer steps applied since the rollout engine last got these weights (weights_pushed):
         # under reuse the training forward must run the rollout's policy, so it must be 0 there.
         self.steps_since_push = 0
+        self._pushed_versions: Optional[list] = None  # parameter versions at the last push (in-place edits)
         hf_config = AutoConfig.from_pretrained(model_path)
         # dsrl's two dropout knobs go onto the HF fields of the same name and nothing else; the
         # model's other dropout/noise fields stay as its config says (the reuse decision names them).
@@ -279,6 +280,14 @@ class ActorEngine:
             raise ReuseInvariantError(
                 f"reuse_training_logprobs: {self.steps_since_push} optimizer step(s) since the rollout engine "
                 "got these weights (weights_pushed), so the training forward is not the rollout's policy")
+        if self._pushed_versions is not None:
+            changed = [n for (n, _), v0, v1 in zip(self.module.named_parameters(), self._pushed_versions,
+                                                   self._param_versions()) if v0 != v1]
+            if changed:
+                raise ReuseInvariantError(
+                    f"reuse_training_logprobs: {changed[0]} (and {len(changed) - 1} more) was modified in place "
+                    "since the rollout engine got these weights (a hook?), so the training forward is not the "
+                    "rollout's policy")
         if not self._open_accumulation:
             from dsrl.actor.stochastic import live_stochastic_modules
 
@@ -291,6 +300,16 @@ class ActorEngine:
     def weights_pushed(self) -> None:
         """The rollout engine(s) now hold these weights (dsrl.rollout.weight_sync calls it)."""
         self.steps_since_push = 0
+        self._pushed_versions = self._param_versions()
+
+    def _param_versions(self) -> list:
+        """Each parameter's in-place version counter (and its ZeRO-3 partition's): an in-place edit of a
+        weight bumps it; reading, the forward and the backward do not."""
+        out = []
+        for p in self.module.parameters():
+            part = getattr(p, "ds_tensor", None)
+            out.append((p._version, part._version if part is not None else None))
+        return out
 
     def _close_accumulation_window(self) -> None:
         """Make the accumulated local gradients step-ready without another backward: the

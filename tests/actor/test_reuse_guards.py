@@ -74,3 +74,27 @@ def test_the_weight_push_resets_the_count(tiny_model_path, eng):
     sync.push(1)
     assert eng.steps_since_push == 0
     _reuse_step(eng)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_a_hook_that_perturbs_the_weights_after_the_push_refuses_reuse(tiny_model_path, zero_stage):
+    """What the rollout sampled is the pushed weights; a hook (trainer.before_train_step_hooks, or
+    any code) that edits a weight in place before the training forward makes reuse wrong. The
+    engine compares the parameters' in-place version counters with those at the push."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    eng = ActorEngine(str(tiny_model_path), zero_stage=zero_stage, micro_batch_size=3, lr=1e-3,
+                      persistence_threshold=0)
+    eng.weights_pushed()
+    _reuse_step(eng)  # forward and backward are no edits
+    eng.optimizer_step()
+    eng.weights_pushed()
+    name, param = next(iter(eng.module.named_parameters()))
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0) if zero_stage == 3 else torch.no_grad():
+        with torch.no_grad():
+            param.add_(1e-3)  # the perturbation (kept under ZeRO-3: modifier_rank=0)
+    with pytest.raises(ReuseInvariantError, match=rf"{name} \(and 0 more\) was modified in place"):
+        _reuse_step(eng)
+    eng.weights_pushed()  # pushed again: the engine now samples from the perturbed weights
+    _reuse_step(eng)
