@@ -95,7 +95,12 @@ class SimTensor(torch.Tensor):
         out = func(*args, **kwargs)
         if _inside_module():
             return out
-        return tree_map(lambda x: SimTensor(x) if type(x) is torch.Tensor else x, out)
+        return _wrap(out)
+
+
+def _wrap(out):
+    """Every plain tensor in `out` (an op's result, possibly nested) as a SimTensor."""
+    return tree_map(lambda x: SimTensor(x) if type(x) is torch.Tensor else x, out)
 
 
 def is_sim(x: Any) -> bool:
@@ -143,7 +148,7 @@ class _SimFunctionMode(TorchFunctionMode):
             requires_grad = bool(kwargs.get("requires_grad", False))
             out = func(*args, **dict(kwargs, device=torch.device("cpu"), requires_grad=False)
                        if "requires_grad" in kwargs else dict(kwargs, device=torch.device("cpu")))
-            out = tree_map(lambda x: SimTensor(x) if type(x) is torch.Tensor else x, out)
+            out = _wrap(out)
             if requires_grad and isinstance(out, SimTensor):
                 out.requires_grad_(True)
             return out
@@ -161,7 +166,7 @@ class _SimDispatchMode(TorchDispatchMode):
             out = func(*args, **dict(kwargs, device=torch.device("cpu")))
             if func is torch.ops.aten._to_copy.default and out is args[0]:
                 out = out.clone()
-            return tree_map(lambda x: SimTensor(x) if type(x) is torch.Tensor else x, out)
+            return _wrap(out)
         return func(*args, **kwargs)
 
 

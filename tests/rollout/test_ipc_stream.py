@@ -60,7 +60,7 @@ class FakeEngine:
             self.held = None
 
     def reset_prefix_cache(self):
-        pass
+        self.cache_resets = getattr(self, "cache_resets", 0) + 1
 
 
 def _worker(engine):
@@ -118,6 +118,7 @@ def test_an_ipc_push_streams_with_at_most_three_buckets_alive(ipc, actor, which)
     assert [c[2] for c in engine.calls] == [False] * (n - 1) + [True]  # ... and last
     assert metrics["rollout/sync_bytes"] == ipc.total
     assert ipc.now == {}  # nothing left alive after the push
+    assert engine.cache_resets == 1  # the prefix cache of the old weights is dropped once
     # The bound: the bucket being loaded, the look-ahead one and the one the engine still reads.
     sizes = sorted((b.nbytes for b in _buckets(src, cfg)), reverse=True)
     assert ipc.most <= sum(sizes[:3]), (ipc.most, sizes[:3])
