@@ -123,8 +123,9 @@ class RolloutConfig:
     # Weight sync: parameters are packed into buffers of this many MiB (one engine call each;
     # under ZeRO-3 gathered one layer group at a time). A tensor larger than this gets its own.
     sync_bucket_mb: float = 256.0
-    # Weight sync check: after each sync the engine(s) and the trainer score a fixed probe of
-    # token sequences; rollout/sync_logprob_diff is their mean |log-prob difference|.
+    # Weight sync check: after each sync the engine(s) and the trainer score a probe (fixed random
+    # prefixes, then the trainer's greedy continuation); rollout/sync_logprob_diff is their mean
+    # |log-prob difference| over the greedy tokens (dsrl.rollout.weight_sync).
     sync_probe: bool = True
     # Probe schedule: 1 = after every sync. N > 1: after the first sync and every N-th; each sync
     # between is checked by the next train step on its own samples instead (rollout/logprob_diff:
@@ -133,7 +134,7 @@ class RolloutConfig:
     # algo.off_policy_steps=0 and one optimizer step per rollout (otherwise a ConfigError).
     sync_probe_every: int = 1
     # Largest allowed sync_logprob_diff (nats) before the run stops naming the engine; null = by
-    # the engine's dtype (dsrl.rollout.weight_sync.DEFAULT_TOLERANCE: float32 1e-3, bfloat16 0.5).
+    # the engine's dtype (dsrl.rollout.weight_sync.DEFAULT_TOLERANCE: float32 1e-3, bfloat16 0.12).
     sync_tolerance: Optional[float] = None
     # Multi-turn episodes (dsrl/agent): the environment, a registered name (calculator |
     # guess_the_number) or a dotted path to a class/factory; "" = single-turn completions.

