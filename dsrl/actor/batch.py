@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from dsrl.agent.masks import response_loss_mask
+from dsrl.distributed.collectives import all_reduce_max
 
 
 @dataclass
@@ -83,6 +84,14 @@ def empty_microbatch(pad_id: int, fields=()) -> dict:
     for name in fields:
         mb[name] = torch.zeros((1, 1), dtype=torch.float32)
     return mb
+
+
+def pad_to_largest_rank(mbs: list, pad_id: int, fields=()) -> list:
+    """`mbs` (this rank's microbatches) padded with empty ones (`empty_microbatch`, one zero
+    tensor per name in `fields`) to the largest count of any rank, at least one: every rank runs
+    the same number of forward/backward calls (ZeRO collectives). Collective."""
+    n_mb = max(1, int(all_reduce_max(len(mbs))))
+    return list(mbs) + [empty_microbatch(pad_id, fields) for _ in range(n_mb - len(mbs))]
 
 
 def masked_rows(values: torch.Tensor, mask: torch.Tensor) -> list:

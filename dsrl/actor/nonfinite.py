@@ -39,16 +39,16 @@ class SkipCounter:
         self.limit = int(limit)
         self.total = 0
         self.consecutive = 0
-        self.step: Optional[int] = None  # the RL step in progress (set by the trainer)
 
-    def record(self, skipped: bool) -> None:
+    def record(self, skipped: bool, step: Optional[int] = None) -> None:
+        """Count one optimizer step of RL step `step` (None outside the loop; named in the error)."""
         if not skipped:
             self.consecutive = 0
             return
         self.total += 1
         self.consecutive += 1
         if self.consecutive >= self.limit:
-            raise TrainingDiverged(self.step, self.consecutive, self.total)
+            raise TrainingDiverged(step, self.consecutive, self.total)
 
     def state_dict(self) -> dict:
         return {"total": self.total, "consecutive": self.consecutive}

@@ -8,14 +8,18 @@ from dsrl.distributed.collectives import all_reduce_
 
 
 def fault_metrics(*sources) -> dict:
-    """Pop each source's counters (`pop_metrics()`; sources without one are ignored) and sum
-    them over ranks. Collective: every rank passes sources of the same kinds."""
+    """Sum each source's counters over ranks: a dict of counts taken earlier, or an object whose
+    `pop_metrics()` gives them now (objects without one are ignored). Collective: every rank
+    passes sources of the same kinds."""
     local: dict = {}
     for source in sources:
-        pop = getattr(source, "pop_metrics", None)
-        if pop is not None:
-            for name, value in pop().items():
-                local[name] = local.get(name, 0.0) + float(value)
+        if isinstance(source, dict):
+            counts = source
+        else:
+            pop = getattr(source, "pop_metrics", None)
+            counts = pop() if pop is not None else {}
+        for name, value in counts.items():
+            local[name] = local.get(name, 0.0) + float(value)
     names = sorted(local)
     if not names:
         return {}

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-import dsrl.trainer as trainer_module
+import dsrl.stages.scoring as scoring_module
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 GAMMA, LAMBDA = 0.9, 0.95
@@ -83,35 +83,35 @@ def test_ppo_with_critic_in_the_real_loop(tiny_model_path, tmp_path, monkeypatch
     assert not {p.data_ptr() for p in actor.module.parameters()} & {p.data_ptr() for p in critic.module.parameters()}
 
     steps, order = [], []
-    real_advantages, real_train_on = trainer_module.compute_advantages, trainer.train_on
-    real_critic_step, real_actor_step = trainer._critic_step, trainer._optimizer_step
+    real_advantages, real_train_on = scoring_module.compute_advantages, trainer.train_on
+    real_critic_step, real_actor_step = trainer.critic_update.step, trainer.policy.step
 
     def advantages_spy(data, config):
         out = real_advantages(data, config)
         steps[-1]["data"] = {k: [t.double().clone() for t in data[k]] for k in ("values", "advantages", "returns")}
         return out
 
-    def train_on_spy(samples):
+    def train_on_spy(samples, step):
         steps.append({"samples": samples, "v_ref": [_reference_values(critic, s) for s in samples]})
-        steps[-1]["metrics"] = real_train_on(samples)
+        steps[-1]["metrics"] = real_train_on(samples, step)
         return steps[-1]["metrics"]
 
-    def critic_step_spy(samples, fields):
+    def critic_step_spy(samples, fields, algo, *, step):
         a0, c0 = _snap(actor.module), _snap(critic.module)
-        out = real_critic_step(samples, fields)
+        out = real_critic_step(samples, fields, algo, step=step)
         assert _same(actor.module, a0) and not _same(critic.module, c0)  # the value loss moves only the critic
         order.append("critic")
         return out
 
-    def actor_step_spy(samples, token_fields, *, all_samples):
+    def actor_step_spy(samples, token_fields, *, all_samples, step):
         c0, a0 = _snap(critic.module), _snap(actor.module)
-        out = real_actor_step(samples, token_fields, all_samples=all_samples)
+        out = real_actor_step(samples, token_fields, all_samples=all_samples, step=step)
         assert _same(critic.module, c0) and not _same(actor.module, a0)  # the policy loss moves only the actor
         order.append("actor")
         return out
 
-    monkeypatch.setattr(trainer_module, "compute_advantages", advantages_spy)
-    trainer.train_on, trainer._critic_step, trainer._optimizer_step = train_on_spy, critic_step_spy, actor_step_spy
+    monkeypatch.setattr(scoring_module, "compute_advantages", advantages_spy)
+    trainer.train_on, trainer.critic_update.step, trainer.policy.step = train_on_spy, critic_step_spy, actor_step_spy
     trainer.fit()
 
     assert order == ["critic", "actor"] * 2 and len(steps) == 2
@@ -169,25 +169,25 @@ def test_each_optimizer_step_trains_the_critic_on_its_own_slice(tiny_model_path,
     trainer = _build(tmp_path / "run", _tiny(tiny_model_path, "trainer.total_steps=1", "algo.global_batch_size=3"))
     assert trainer.steps_per_rollout == 2 and not trainer.decision.reuse
     seen, calls = {}, []
-    real_advantages, real_critic_step = trainer_module.compute_advantages, trainer._critic_step
+    real_advantages, real_critic_step = scoring_module.compute_advantages, trainer.critic_update.step
 
     def advantages_spy(data, config):
         out = real_advantages(data, config)
         seen.update({k: [t.clone() for t in data[k]] for k in ("values", "returns")})
         return out
 
-    def critic_step_spy(samples, fields):
+    def critic_step_spy(samples, fields, algo, *, step):
         calls.append((list(samples), {k: [t.clone() for t in v] for k, v in fields.items()}))
-        return real_critic_step(samples, fields)
+        return real_critic_step(samples, fields, algo, step=step)
 
     real_train_on = trainer.train_on
 
-    def train_on_spy(samples):
+    def train_on_spy(samples, step):
         seen["samples"] = list(samples)
-        return real_train_on(samples)
+        return real_train_on(samples, step)
 
-    monkeypatch.setattr(trainer_module, "compute_advantages", advantages_spy)
-    trainer.train_on, trainer._critic_step = train_on_spy, critic_step_spy
+    monkeypatch.setattr(scoring_module, "compute_advantages", advantages_spy)
+    trainer.train_on, trainer.critic_update.step = train_on_spy, critic_step_spy
     trainer.fit()
     assert len(calls) == 2
     for k, (samples, fields) in enumerate(calls):

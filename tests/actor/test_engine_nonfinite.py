@@ -123,12 +123,11 @@ def test_nonfinite_step_is_skipped_and_leaves_no_trace(tiny_model_path, stage):
 
 def test_skip_counter_stops_after_max_in_a_row():
     c = SkipCounter(3)
-    c.step = 7
     for skipped in (True, True, False, True, True):  # a good step resets the run
-        c.record(skipped)
+        c.record(skipped, 7)
     assert (c.total, c.consecutive) == (4, 2)
     with pytest.raises(TrainingDiverged, match=r"at step 7: 3 optimizer steps in a row.*max_skipped_steps=3") as e:
-        c.record(True)
+        c.record(True, 7)
     assert (e.value.step, e.value.consecutive, e.value.total) == (7, 3, 5)
     restored = SkipCounter(3)
     restored.load_state_dict(c.state_dict())
@@ -160,7 +159,7 @@ def test_trainer_counts_skips_and_stops_after_max_in_a_row(tiny_model_path, tiny
     m1 = trainer.step(1)
     assert m1["train/skipped_steps"] == 0.0 and math.isfinite(m1["train/grad_norm"])
     good = _params(actor)
-    trainer.objective = NAN_LOSS_FINITE_GRAD  # the run's objective from now on: every step non-finite
+    trainer.policy.objective = NAN_LOSS_FINITE_GRAD  # the run's objective from now on: every step non-finite
     m2 = trainer.step(2)
     assert m2["train/skipped_steps"] == 1.0 and math.isnan(m2["train/grad_norm"])
     _assert_equal(_params(actor), good, "weights after a skipped trainer step")

@@ -152,7 +152,7 @@ def test_trainer_uses_the_layout_for_old_pass_and_training(tiny_model_path, tiny
         actor = rt.build_engine(tiny_model_path, micro_batch_size=4)
         before = rt.params(actor)
         trainer = rt.make_trainer(cfg, actor, tiny_tokenizer, tmp_path / mode, samples=samples)
-        metrics = trainer.train_on(samples)
+        metrics = trainer.train_on(samples, 1)
         runs[mode] = (metrics, rt.update(before, rt.params(actor)), actor._shared_prompt_decision.on)
     (m_off, u_off, on_off), (m_on, u_on, on_on), (_, u_auto, on_auto) = runs["off"], runs["on"], runs["auto"]
     assert (on_off, on_on, on_auto) == (False, True, True)

@@ -112,7 +112,7 @@ def test_token_budget_trains_like_count_based(tiny_model_path, tiny_tokenizer, t
             seen.append(list(mb["sample_indices"]))
             return real(mb, *a, **k)
         actor.forward_backward = spy
-        metrics = trainer.train_on(samples)
+        metrics = trainer.train_on(samples, 1)
         runs[budget] = (metrics, rt.update(before, rt.params(actor)), seen)
     (m0, u0, seen0), (m1, u1, seen1) = runs[0], runs[40]
     assert sorted(i for mb in seen1 for i in mb) == list(range(9))  # every sample trained once

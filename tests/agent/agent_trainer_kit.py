@@ -79,11 +79,11 @@ class Spy:
 
     def __init__(self, trainer: Trainer):
         self.trained, self.scored, self.train_forwards = [], [], []
-        train_on, score, target = trainer.train_on, trainer._score, trainer.actor.target_logprobs
+        train_on, score, target = trainer.train_on, trainer.scoring.score, trainer.actor.target_logprobs
 
-        def spy_train_on(samples):
+        def spy_train_on(samples, step):
             self.trained.append(list(samples))
-            return train_on(samples)
+            return train_on(samples, step)
 
         def spy_score(engine, samples, desc):
             rows = score(engine, samples, desc)
@@ -96,7 +96,7 @@ class Spy:
                 self.train_forwards.append((dict(batch), lp.detach().clone()))
             return lp, ent
 
-        trainer.train_on, trainer._score, trainer.actor.target_logprobs = spy_train_on, spy_score, spy_target
+        trainer.train_on, trainer.scoring.score, trainer.actor.target_logprobs = spy_train_on, spy_score, spy_target
 
 
 def episode_samples(tokenizer, rewards: Sequence[Sequence[float]]) -> list:

@@ -96,7 +96,7 @@ def _train(tmp_path, tiny_model_path, tok, samples, **kw):
     before = {k: v.clone() for k, v in actor.state_dict_for_export().items()}
     trainer = build_trainer(cfg, actor, tok, tmp_path)
     spy = Spy(trainer)
-    metrics = trainer.train_on(samples)
+    metrics = trainer.train_on(samples, 1)
     after = actor.state_dict_for_export()
     return {k: after[k] - before[k] for k in before}, metrics, spy
 

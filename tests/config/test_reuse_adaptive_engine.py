@@ -43,7 +43,6 @@ def run(tiny_model_path, tok, tmp_path, cfg, samples):
     """Fresh engine + trainer; returns (trainer, metrics, params before, params after, score calls)."""
     actor = build_engine(tiny_model_path, micro_batch_size=cfg.actor.micro_batch_size)
     trainer = make_trainer(cfg, actor, tok, tmp_path, samples=samples)
-    trainer.skips.step = 1
     calls, real = [], actor.score
 
     def spy(mbs, **k):
@@ -52,7 +51,7 @@ def run(tiny_model_path, tok, tmp_path, cfg, samples):
         return real(mbs, **k)
     actor.score = spy
     before = params(actor)
-    metrics = trainer.train_on(samples)
+    metrics = trainer.train_on(samples, 1)
     return trainer, metrics, before, params(actor), calls
 
 

@@ -1,6 +1,8 @@
 """End to end with the real parts: vLLM worker processes, DeepSpeed engines, the Hydra entry
-point, on the tiny random Llama (SmolLM2 tokenizer). One process, then two ranks under
-DeepSpeed's launcher with ZeRO-3."""
+point, on the tiny random Llama (SmolLM2 tokenizer): one process with ZeRO-3 and a KL loss against a
+ZeRO-3 reference engine. Two ranks under DeepSpeed's launcher (ZeRO-3, with a resumed launch):
+tests/e2e/test_e2e_resume.py; two ranks under ZeRO-0/2/3 at the engine level, a good step and
+skipped ones: tests/actor/test_engine_nonfinite.py."""
 import json
 import os
 import subprocess
@@ -9,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from dsrl.distributed.ports import free_port
 from dsrl.testing import subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -37,26 +38,17 @@ def _metrics(run_dir):
     return [json.loads(line) for line in lines]
 
 
-def test_kl_loss_with_a_zero3_reference_engine(tmp_path, tiny_model_path):
-    """Reuse with a KL loss: the reference engine (frozen, ZeRO-3) still scores every step and
-    the KL loss starts at 0 (same weights) and becomes positive once the actor moved."""
-    run_dir = tmp_path / "run_kl"
+def test_single_process_zero3_run_with_a_kl_loss_writes_everything(tmp_path, tiny_model_path):
+    """Reuse with a KL loss: the reference engine (frozen, ZeRO-3) still scores every step and the
+    KL loss starts at 0 (same weights) and becomes positive once the actor moved; the run writes
+    metrics, plot, TensorBoard, evals and the final model."""
+    run_dir = tmp_path / "run"
     # The reference scores microbatches of the training ones' shapes: at step 1 (same weights) its
     # log-probs equal the training forward's bit for bit, so the KL loss is exactly 0.
-    _run([sys.executable, "-m", "dsrl.main", *COMMON, f"model.path={tiny_model_path}", "algo.use_kl_loss=true",
-          "algo.kl_loss_coef=0.1", "actor.micro_batch_size=8", "actor.forward_micro_batch_size=8",
-          "actor.zero_stage=3", "actor.stage3_param_persistence_threshold=0",
-          "trainer.eval_before=false", "trainer.eval_after=false", f"hydra.run.dir={run_dir}"],
-         cwd=Path(__file__).parents[2], timeout=600)
-    rows = _metrics(run_dir)
-    assert all(r["timing/ref_logprobs"] > 0 and r["timing/old_logprobs"] == 0.0 for r in rows)
-    assert rows[0]["train/kl_loss"] == 0.0 and rows[1]["train/kl_loss"] > 0.0
-
-
-def test_single_process_run_writes_everything(tmp_path, tiny_model_path):
-    run_dir = tmp_path / "run"
-    out = _run([sys.executable, "-m", "dsrl.main", *COMMON, f"model.path={tiny_model_path}",
-                f"hydra.run.dir={run_dir}"], cwd=Path(__file__).parents[2], timeout=600)
+    out = _run([sys.executable, "-m", "dsrl.main", *COMMON, f"model.path={tiny_model_path}", "algo.use_kl_loss=true",
+                "algo.kl_loss_coef=0.1", "actor.micro_batch_size=8", "actor.forward_micro_batch_size=8",
+                "actor.zero_stage=3", "actor.stage3_param_persistence_threshold=0", f"hydra.run.dir={run_dir}"],
+               cwd=Path(__file__).parents[2], timeout=600)
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -64,10 +56,11 @@ def test_single_process_run_writes_everything(tmp_path, tiny_model_path):
             assert k in r, (k, r)
         # The sync's own probe: the engine serves the trainer's weights after every sync.
         assert r["rollout/sync_logprob_diff"] < 1e-4 and r["rollout/sync_buckets"] >= 1, r
-        assert r["timing/old_logprobs"] == 0.0  # reuse skipped the standalone pass
+        assert r["timing/old_logprobs"] == 0.0 and r["timing/ref_logprobs"] > 0  # reuse skipped the old pass
         # Weight push verified: the trainer and vLLM agree on the log-probs of the new samples.
         assert r["rollout/logprob_diff"] < 1e-3, r["rollout/logprob_diff"]
         assert r["train/grad_norm"] > 0
+    assert rows[0]["train/kl_loss"] == 0.0 and rows[1]["train/kl_loss"] > 0.0
     assert "reusing detached training log-probs" in out
     assert (run_dir / "config.yaml").exists() and (run_dir / "plot.png").stat().st_size > 5000
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
@@ -80,24 +73,3 @@ def test_single_process_run_writes_everything(tmp_path, tiny_model_path):
     diffs = [(a - b).abs().max().item() for a, b in zip(trained.parameters(), base.parameters())]
     assert max(diffs) > 0  # it trained
     assert all(torch.isfinite(p).all() for p in trained.parameters())
-
-
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_two_ranks_deepspeed_launcher(tmp_path, tiny_model_path, zero_stage):
-    """Rollouts split across ranks, identical parameters on every rank after each step
-    (trainer.check_rank_sync raises otherwise), full weights (gathered under ZeRO-3) pushed."""
-    run_dir = tmp_path / "run2"
-    deepspeed = Path(sys.executable).parent / "deepspeed"
-    out = _run([str(deepspeed), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "dsrl.main",
-                *COMMON, f"model.path={tiny_model_path}", f"actor.zero_stage={zero_stage}",
-                "actor.stage3_param_persistence_threshold=0", "trainer.check_rank_sync=true",
-                "trainer.eval_before=false", f"hydra.run.dir={run_dir}"],
-               cwd=Path(__file__).parents[2], timeout=900)
-    rows = _metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        assert r["rollout/logprob_diff"] < 1e-3  # ZeRO-3 gathered full weights reached both workers
-        assert r["rollout/sync_logprob_diff"] < 1e-4  # every rank's engine passed the probe after each sync
-        assert r["timing/old_logprobs"] == 0.0
-    assert "ranks: 2" in out
-    assert (run_dir / "final_model" / "model.safetensors").exists()

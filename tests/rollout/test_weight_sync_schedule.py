@@ -121,9 +121,9 @@ def test_train_step_stops_on_samples_from_other_weights(tiny_model_path, tiny_to
         trainer = rt.make_trainer(cfg, actor, tiny_tokenizer, tmp_path / name)
         trainer.weight_sync.probe, trainer.weight_sync.probe_every = True, 4  # the fake worker cannot be probed
         if ok:
-            assert trainer.train_on(rows)["rollout/logprob_diff"] < 1e-5
+            assert trainer.train_on(rows, 1)["rollout/logprob_diff"] < 1e-5
             continue
         before = rt.params(actor)
         with pytest.raises(WeightSyncError, match=r"a train step: .* sampled tokens differ from .* by 0\.01 "):
-            trainer.train_on(rows)
+            trainer.train_on(rows, 1)
         rt.assert_params_equal(rt.params(actor), before)

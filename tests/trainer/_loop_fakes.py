@@ -98,7 +98,7 @@ def make_cfg(*, groups: int = 2, group_size: int = 4, total_steps: int = 3, **al
 
 def make_trainer(cfg: Config, run_dir, events: list, *, kinds: str = "IU", delay_s: float = 0.0,
                  fail_on_call: Optional[int] = None, train_s: float = 0.0, hardware_auto=()) -> Trainer:
-    """The real Trainer around the scripted rollout side; `train_on` and `_push_weights` record
+    """The real Trainer around the scripted rollout side; `train_on` and the weight push record
     what they got (`trainer.trained`: the samples of each step) instead of running engines."""
     tokenizer = type("Tok", (), {"pad_token_id": 0, "eos_token_id": 0})()
     worker = ScriptedWorker(events, delay_s=delay_s, fail_on_call=fail_on_call)
@@ -107,7 +107,7 @@ def make_trainer(cfg: Config, run_dir, events: list, *, kinds: str = "IU", delay
                       hardware_auto=hardware_auto)
     trainer.trained = []
 
-    def train_on(samples):
+    def train_on(samples, step):
         events.append(("train", len(trainer.trained) + 1))
         time.sleep(train_s)
         trainer.trained.append(list(samples))
@@ -119,5 +119,5 @@ def make_trainer(cfg: Config, run_dir, events: list, *, kinds: str = "IU", delay
         return {}
 
     trainer.train_on = train_on
-    trainer._push_weights = push
+    trainer.weight_sync.push = push
     return trainer

@@ -145,7 +145,8 @@ def test_auto_falls_back_when_unsafe(tmp_path):
 def test_runtime_guard_rejects_more_than_one_optimizer_step(tmp_path):
     cfg = _cfg(reuse_logprobs="auto", global_batch_size=4)
     t, actor, _ = _trainer(cfg, tmp_path, with_ref=False)
-    t.decision = dataclasses.replace(t.decision, reuse=True, run_old_pass=False)  # bypass the validator
+    # Bypass the validator: the stages that read the decision get the forged one.
+    t.scoring.decision = t.policy.decision = dataclasses.replace(t.decision, reuse=True, run_old_pass=False)
     with pytest.raises(ReuseInvariantError, match="optimizer step"):
         t.step(1)
     assert actor.train_batches == [] and actor.score_calls == 0  # rejected before any forward
@@ -154,7 +155,7 @@ def test_runtime_guard_rejects_more_than_one_optimizer_step(tmp_path):
 def test_runtime_guard_rejects_precomputed_actor_logprobs(tmp_path):
     cfg = _cfg(reuse_logprobs="on")
     t, actor, _ = _trainer(cfg, tmp_path, with_ref=False)
-    t.decision = dataclasses.replace(t.decision, run_old_pass=True)  # a stale old pass sneaks in
+    t.scoring.decision = t.policy.decision = dataclasses.replace(t.decision, run_old_pass=True)  # a stale old pass
     with pytest.raises(ReuseInvariantError, match="old_log_probs"):
         t.step(1)
     assert actor.train_batches == [] and actor.score_calls == 0  # before the old pass itself
@@ -255,7 +256,7 @@ def test_a_work_unit_may_name_its_own_objective(tmp_path, monkeypatch):
     bad = _cfg(reuse_logprobs="off")
     t2, _, _ = _trainer(bad, tmp_path, with_ref=False)
     with pytest.raises(ValueError, match="no_such_key"):
-        t2._objective_for({"loss_fn": "ppo", "loss_fn_config": {"no_such_key": 1}, "sample_indices": [0]})
+        t2.policy._objective_for({"loss_fn": "ppo", "loss_fn_config": {"no_such_key": 1}, "sample_indices": [0]})
 
 
 class EqualRewardWorker(FakeWorker):
@@ -272,9 +273,9 @@ class EqualRewardWorker(FakeWorker):
 def test_a_step_with_every_sample_skipped_logs_no_fabricated_metrics(tmp_path):
     cfg = _cfg(reuse_logprobs="on")
     t, actor, _ = _trainer(cfg, tmp_path, with_ref=False)
-    t.worker = EqualRewardWorker()
+    t.worker = t.rollout.worker = EqualRewardWorker()  # the rollout stage generates
     m = t.step(1)
-    assert t.skip_zero_advantage and m["train/trained_fraction"] == 0.0
+    assert t.scoring.skip_zero_advantage and m["train/trained_fraction"] == 0.0
     # Never measured: absent, not 0.
     for key in ("train/ppo_kl", "train/pg_clipfrac", "train/logprob", "rollout/logprob_diff"):
         assert key not in m, key

@@ -34,12 +34,12 @@ def test_next_generation_overlaps_training_and_the_push_waits_for_it(tmp_path):
     worker, plain_train_on = trainer.worker, trainer.train_on
     overlapped = []
 
-    def train_on(samples):
-        step = len(trainer.trained) + 1
+    def train_on(samples, step):
+        assert step == len(trainer.trained) + 1
         # Training of step k only proceeds once step k+1's generation has started: a loop that
         # generated after training would time out here.
         overlapped.append(step == cfg.trainer.total_steps or _wait_for(lambda: worker.calls >= step + 1))
-        return plain_train_on(samples)
+        return plain_train_on(samples, step)
 
     trainer.train_on = train_on
     trainer.fit()
@@ -89,7 +89,7 @@ def test_an_error_in_the_background_generation_is_raised_in_the_main_thread(tmp_
     assert any("background rollout of step 2" in note for note in info.value.__notes__)
     assert len(trainer.trained) == 1
     assert not [e for e in events if e[0] == "push"]  # weights are never pushed past a failed generation
-    assert not trainer.next_rollout.running and trainer.next_rollout.step is None
+    assert not trainer.state.next_rollout.running and trainer.state.next_rollout.step is None
 
 
 def test_checkpoint_holds_the_finished_next_rollout_and_resume_is_exact(tmp_path, monkeypatch):
@@ -112,7 +112,7 @@ def test_checkpoint_holds_the_finished_next_rollout_and_resume_is_exact(tmp_path
     for step in (1, 2):
         first.logger.log(step, first.step(step))
     first.save(2)
-    assert not first.next_rollout.running  # save waited for it
+    assert not first.state.next_rollout.running  # save waited for it
     assert saved["auto"] == ["model.dtype", "actor.num_threads"]  # a resume elsewhere compares the user's auto
 
     monkeypatch.setattr(trainer_module, "read_shared_state", lambda folder: {"step": 2, "metrics": saved["metrics"]})
@@ -120,11 +120,10 @@ def test_checkpoint_holds_the_finished_next_rollout_and_resume_is_exact(tmp_path
                                                                                       weights_only=False))
     monkeypatch.setattr(trainer_module, "restore_rng", lambda state: None)
     resumed = make_trainer(make_cfg(total_steps=4, **OVERLAP), tmp_path / "resumed", [], kinds="IUU")
-    resumed.source = ScriptedSource("IUU")
     resumed.source.drawn = first.source.drawn  # the scripted source's position (a real source draws from the RNG)
     resumed.actor = type("Actor", (), {"load_checkpoint": lambda self, folder: None})()
     resumed.restore(str(tmp_path))
-    assert resumed.next_rollout.holds(3) and resumed.weights_step == 2
+    assert resumed.state.next_rollout.holds(3) and resumed.state.weights_step == 2
     resumed.fit()
     as_tuples = [[(s.prompt_ids, s.reward, s.group) for s in step] for step in resumed.trained]
     assert as_tuples == [[(s.prompt_ids, s.reward, s.group) for s in step] for step in full.trained[2:]]
@@ -135,7 +134,7 @@ def test_no_generation_in_flight_after_the_last_step(tmp_path):
     events = []
     trainer = make_trainer(make_cfg(total_steps=2, **OVERLAP), tmp_path, events, delay_s=0.1)
     trainer.fit()
-    assert trainer.next_rollout.step is None and not trainer.next_rollout.running
+    assert trainer.state.next_rollout.step is None and not trainer.state.next_rollout.running
     assert not [t for t in threading.enumerate() if t.name.startswith("dsrl-rollout-step")]
 
 

@@ -149,9 +149,9 @@ def run_step(tiny_model_path, tok, run_dir, cfg, samples, *, ref=None, force_ski
     before = params(actor)
     trainer = make_trainer(cfg, actor, tok, run_dir, ref=ref, samples=samples)
     if force_skip is not None:
-        trainer.skip_zero_advantage = force_skip
+        trainer.scoring.skip_zero_advantage = force_skip
     old_passes = count_calls(actor)
-    metrics = trainer.step(1) if via_step else trainer.train_on(samples)
+    metrics = trainer.step(1) if via_step else trainer.train_on(samples, 1)
     return StepRun(trainer, metrics, before, params(actor), len(old_passes))
 
 
@@ -304,7 +304,7 @@ def test_zero_advantage_skip_is_exact_for_ppo(tiny_model_path, tiny_tokenizer, b
     full = run_step(tiny_model_path, tiny_tokenizer, tmp_path / "noskip",
                     make_cfg(tiny_model_path, groups=2, micro_batch_size=3, reuse_logprobs="on",
                              skip_zero_variance_groups=False), samples)
-    assert skip.trainer.skip_zero_advantage is True
+    assert skip.trainer.scoring.skip_zero_advantage is True
     assert (skip.metrics["train/microbatches"], full.metrics["train/microbatches"]) == (1, 2)
     lens = [len(s.response_ids) for s in samples]
     assert skip.metrics["train/trained_fraction"] == pytest.approx(sum(lens[:3]) / sum(lens))
@@ -333,7 +333,7 @@ def test_zero_advantage_skip_refused_where_inexact(tiny_model_path, tiny_tokeniz
     asked = run_step(tiny_model_path, tiny_tokenizer, tmp_path / "on", cfg, samples)
     full = run_step(tiny_model_path, tiny_tokenizer, tmp_path / "off",
                     make_cfg(tiny_model_path, groups=2, skip_zero_variance_groups=False, **algo), samples)
-    assert asked.trainer.skip_zero_advantage is False  # asked for, but not exact here
+    assert asked.trainer.scoring.skip_zero_advantage is False  # asked for, but not exact here
     assert asked.metrics["train/trained_fraction"] == 1.0
     assert_params_equal(asked.after, full.after)
     # Forcing the skip changes the update: the comparison above can fail.

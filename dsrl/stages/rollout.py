@@ -1,0 +1,116 @@
+"""The rollout stage: this rank's prompts, generated and verified (single-turn completions or
+multi-turn episodes; with dynamic sampling in rounds), the next step's rollout in a background
+thread under overlap (algo.off_policy_steps=1), and the rollout's metrics."""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import List
+
+from dsrl.actor.batch import Sample
+from dsrl.agent.rollout import generate_episode_samples, mean_episode_metrics
+from dsrl.data.registry import source_metrics
+from dsrl.distributed.collectives import all_reduce_max, all_reduce_sum
+from dsrl.distributed.ranks import global_rank, is_main_rank, world_size
+from dsrl.rollout.dynamic import Rollout, collect_rollout
+from dsrl.rollout.faults import fault_metrics
+from dsrl.rollout.samples import generate_samples
+from dsrl.rollout.seeds import request_seeds
+from dsrl.stages.state import LoopState
+
+log = logging.getLogger("dsrl")
+
+
+class RolloutStage:
+    def __init__(self, cfg, *, worker, tokenizer, source, verifier, prompt_ids_fn, state: LoopState):
+        self.cfg, self.worker, self.tokenizer, self.source = cfg, worker, tokenizer, source
+        self.verifier, self.prompt_ids, self.state = verifier, prompt_ids_fn, state
+        # Divisibility by the world size is checked by dsrl.config.validate before anything loads.
+        self.prompts_per_rank = cfg.algo.rollout_batch_size // world_size()
+
+    def collect(self, step: int) -> Rollout:
+        """This rank's scored rollout of `step`: the one generated in the background during the
+        previous step (algo.off_policy_steps=1; or restored from a checkpoint), else generated now."""
+        held = self.state.next_rollout
+        if held.holds(step):
+            return held.take(step)
+        return self._rollout(step, weights_step=self.state.weights_step,
+                             show_progress=self.cfg.logger.progress and is_main_rank())
+
+    def start_next(self, step: int) -> None:
+        """Generate `step`'s rollout in a background thread with the weights the engine holds now
+        (one step stale by the time it is trained). The main thread draws no prompts, pushes no
+        weights and runs no eval until it is joined (dsrl.rollout.overlap)."""
+        self.state.next_rollout.start(step, functools.partial(self._rollout, step, weights_step=self.state.weights_step,
+                                                              show_progress=False))  # no bar beside the train bar
+
+    def _rollout(self, step: int, *, weights_step: int, show_progress: bool) -> Rollout:
+        """Draw prompts, generate and score them (with dynamic sampling: in rounds, dsrl.rollout.dynamic).
+        Collective-free and touching only the worker, verifier and prompt stream: it may run in the
+        background thread. Request seeds are unique per (step, round, global prompt index)."""
+        cfg, a = self.cfg, self.cfg.algo
+        t0 = time.perf_counter()
+        first_prompt = global_rank() * self.prompts_per_rank
+        episodes: List[tuple] = []  # rollout.env: (episodes, agent metrics) of each round
+
+        def generate_round(sampling_round: int, count: int) -> List[Sample]:
+            prompts = self.source.sample_train(count, self.state.prompt_rng)
+            if cfg.rollout.env:  # multi-turn episodes: the environment writes the prompts and gives the rewards
+                r = cfg.rollout
+                seeds = request_seeds(r.seed, step, first_prompt, len(prompts), sampling_round)
+                samples, agent_metrics = generate_episode_samples(
+                    self.worker, self.tokenizer, prompts, env=r.env, env_kwargs=r.env_kwargs,
+                    n=a.n_samples_per_prompt, max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens,
+                    max_turn_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, seeds=seeds,
+                    max_context=r.max_model_len, show_progress=show_progress)
+                episodes.append((len(samples), agent_metrics))
+                return samples
+            ids = [self.prompt_ids(p) for p in prompts]
+            seeds = request_seeds(cfg.rollout.seed, step, first_prompt, len(ids), sampling_round)
+            return generate_samples(self.worker, ids, prompts, self.verifier, n=a.n_samples_per_prompt,
+                                    temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                    max_tokens=cfg.rollout.max_new_tokens, show_progress=show_progress, seeds=seeds)
+
+        out = collect_rollout(generate_round, share=self.prompts_per_rank, dynamic=a.dynamic_sampling,
+                              max_rounds=a.max_sampling_rounds)
+        out.weights_step, out.seconds = weights_step, time.perf_counter() - t0
+        # This rank's fault counts, taken now: under overlap the next rollout starts before this
+        # one's step logs its metrics.
+        for counter in (self.worker, self.verifier):
+            pop = getattr(counter, "pop_metrics", None)
+            for name, value in (pop() if pop is not None else {}).items():
+                out.fault_counts[name] = out.fault_counts.get(name, 0.0) + float(value)
+        out.source_metrics = source_metrics(self.source)
+        out.source_metrics.update(mean_episode_metrics(episodes))  # agent/*: this rank's episodes, every round
+        return out
+
+    def metrics(self, step: int, rollout: Rollout) -> dict:
+        """The rollout's metrics over all ranks: rewards and lengths of every generated sample
+        (dynamic sampling's dropped groups too), faults (the rollout's, counted when it finished,
+        and the push's since), the data source's, staleness (steps between the generating and the
+        trained weights) and, with dynamic sampling, its rounds and group counts. Collective."""
+        a = self.cfg.algo
+        tot = all_reduce_sum([rollout.reward_sum, rollout.generated, rollout.length_sum])
+        out = dict(rollout.source_metrics)
+        out.update(fault_metrics(rollout.fault_counts, self.worker, self.verifier))
+        out["rollout/staleness"] = float(step - 1 - rollout.weights_step)
+        out["timing/generation"] = all_reduce_max(rollout.seconds)
+        if a.dynamic_sampling:
+            out.update(self._dynamic_metrics(step, rollout))
+        out["reward/mean"] = tot[0] / max(tot[1], 1)
+        out["rollout/response_length"] = tot[2] / max(tot[1], 1)
+        return out
+
+    def _dynamic_metrics(self, step: int, rollout: Rollout) -> dict:
+        a = self.cfg.algo
+        kept, dropped, filler, surplus = all_reduce_sum([rollout.kept_groups, rollout.dropped_groups,
+                                                         rollout.filler_groups, rollout.surplus_groups])
+        rounds = all_reduce_max(rollout.rounds)
+        if filler and is_main_rank():
+            log.warning("dynamic sampling: step %d found %d of algo.rollout_batch_size=%d informative groups in %d "
+                        "round(s) (algo.max_sampling_rounds=%d); training on those plus %d all-equal (zero-advantage) "
+                        "groups", step, int(kept), a.rollout_batch_size, int(rounds), a.max_sampling_rounds,
+                        int(filler))
+        return {"rollout/sampling_rounds": rounds, "rollout/kept_groups": kept, "rollout/dropped_groups": dropped,
+                "rollout/filler_groups": filler, "rollout/surplus_groups": surplus}

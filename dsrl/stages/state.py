@@ -1,0 +1,63 @@
+"""The loop's state that must survive a crash, in one object: what a checkpoint's rank file holds
+besides the RNGs, and what a resume restores. A field added here is saved and restored without
+another line (`state_dict` walks the fields; tests/trainer/test_loop_state.py holds the list)."""
+from __future__ import annotations
+
+import dataclasses
+import random
+from dsrl.actor.nonfinite import SkipCounter
+from dsrl.rollout.overlap import BackgroundRollout
+
+
+@dataclasses.dataclass
+class LoopState:
+    # The prompt stream of this rank (data.seed * 1000 + rank).
+    prompt_rng: random.Random
+    # Non-finite optimizer steps of the actor and of the critic (gae), counted apart.
+    skips: SkipCounter
+    critic_skips: SkipCounter
+    # algo.off_policy_steps=1: the next step's rollout, generated in the background; a finished one
+    # is checkpointed so that resume trains it as the uninterrupted run would.
+    next_rollout: BackgroundRollout
+    # The step whose weights the rollout engine holds (0: the initial ones).
+    weights_step: int = 0
+
+    @classmethod
+    def fresh(cls, *, seed: int, rank: int, max_skipped_steps: int) -> "LoopState":
+        return cls(prompt_rng=random.Random(seed * 1000 + rank), skips=SkipCounter(max_skipped_steps),
+                   critic_skips=SkipCounter(max_skipped_steps), next_rollout=BackgroundRollout())
+
+    def state_dict(self) -> dict:
+        """Every field, as plain data (a running background rollout is not state: only a finished one)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, random.Random):
+                value = value.getstate()
+            elif isinstance(value, SkipCounter):
+                value = value.state_dict()
+            elif isinstance(value, BackgroundRollout):
+                held = value.finished_value()
+                value = None if held is None else (value.step, held)
+            out[f.name] = value
+        return out
+
+    def load_state_dict(self, state: dict) -> list:
+        """The inverse of state_dict. A field a checkpoint lacks (written before the field existed)
+        keeps its fresh value, and says so in `missing` (returned)."""
+        missing = []
+        for f in dataclasses.fields(self):
+            if f.name not in state:
+                missing.append(f.name)
+                continue
+            value, current = state[f.name], getattr(self, f.name)
+            if isinstance(current, random.Random):
+                current.setstate(value)
+            elif isinstance(current, SkipCounter):
+                current.load_state_dict(value)
+            elif isinstance(current, BackgroundRollout):
+                if value is not None:
+                    current.preload(*value)
+            else:
+                setattr(self, f.name, value)
+        return missing
