@@ -24,7 +24,7 @@ from typing import Any, Iterator, List, Tuple
 
 import torch
 
-from dsrl.config.reuse import ConfigError
+from dsrl.config.errors import ConfigError
 
 STOCHASTIC_WORDS = ("drop", "jitter", "noise")
 

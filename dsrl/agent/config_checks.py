@@ -39,7 +39,7 @@ def check_agent_config(cfg: Any) -> List[str]:
     if not name:
         return []
     errors: List[str] = []
-    from dsrl.agent.env import make_env
+    from dsrl.agent.environments import make_env
 
     kwargs = dict(getattr(r, "env_kwargs", None) or {})
     try:

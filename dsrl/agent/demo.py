@@ -30,7 +30,7 @@ def main(argv=None) -> dict:
 
     from transformers import AutoTokenizer
 
-    from dsrl.agent.env import make_env
+    from dsrl.agent.environments import make_env
     from dsrl.agent.episodes import episode_metrics, run_episodes
     from dsrl.rollout.seeds import request_seeds
     from dsrl.rollout.vllm_worker import VLLMWorker

@@ -10,13 +10,14 @@ message). The episode runner (dsrl.agent.episodes) turns observations into token
 chat template and never shows the environment anything but the decoded text of the model's turn.
 
 `rollout.env` names a registered environment (`register_env`) or a dotted path
-`pkg.module.attr` to a class or factory called as `factory(**rollout.env_kwargs)`."""
+`pkg.module.attr` to a class or factory called as `factory(**rollout.env_kwargs)`; resolving a
+name, with the shipped environments registered: dsrl.agent.environments."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Union, runtime_checkable
 
-from dsrl.registry import PluginError, Registry
+from dsrl.registry import Registry
 
 Observation = Union[str, list]
 
@@ -64,42 +65,3 @@ ENVS = Registry("environment", wrap=_as_factory)
 def register_env(name: str) -> Callable[[Any], Any]:
     """Decorator: `@register_env("name")` on an Env class (or a factory returning one)."""
     return ENVS.register(name)
-
-
-def env_names() -> list:
-    _load_builtins()
-    return sorted(ENVS)
-
-
-def resolve_env(name: str, key: str = "rollout.env") -> Callable[..., Env]:
-    """The factory registered as `name`, else the class/factory at dotted path `name`; errors
-    name `key`."""
-    if not name:
-        raise PluginError(f"{key} is empty: name an environment {env_names()} or a dotted path 'pkg.module.Class'")
-    _load_builtins()
-    return ENVS.resolve(name, key)
-
-
-def make_env(name: str, kwargs: Optional[dict] = None, key: str = "rollout.env") -> Env:
-    """One fresh environment (one per episode). A factory that rejects `kwargs`, or returns an
-    object without reset/step, is an error naming `key`."""
-    factory = resolve_env(name, key)
-    try:
-        env = factory(**dict(kwargs or {}))
-    except TypeError as e:
-        raise PluginError(f"{key}={name!r}: cannot build it with rollout.env_kwargs={dict(kwargs or {})}: {e}") from e
-    if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
-        raise PluginError(f"{key}={name!r}: {type(env).__name__} has no reset()/step(): not an environment")
-    return env
-
-
-_builtins_loaded = False
-
-
-def _load_builtins() -> None:
-    """Register the shipped environments (dsrl.agent.envs) on first use; this module imports none
-    of them at import time (no import circle, no optional dependency loaded early)."""
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        import dsrl.agent.envs  # noqa: F401  (registers on import)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence, Tuple
 
 from dsrl.actor.batch import Sample
-from dsrl.agent.env import make_env
+from dsrl.agent.environments import make_env
 from dsrl.agent.episodes import episode_metrics, run_episodes, trajectories_to_samples
 from dsrl.agent.masks import model_tokens, response_loss_mask  # noqa: F401  (re-exported for the trainer)
 

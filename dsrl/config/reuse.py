@@ -25,11 +25,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, List
 
+from dsrl.config.errors import ConfigError  # noqa: F401  (raised here; importers take it from here too)
 from dsrl.config.schema import Config
-
-
-class ConfigError(ValueError):
-    """A bad config value; the message names the key(s)."""
 
 
 class ReuseInvariantError(RuntimeError):

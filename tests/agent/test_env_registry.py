@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsrl.agent.env import ENVS, StepResult, as_messages, env_names, make_env, register_env, resolve_env
+from dsrl.agent.env import ENVS, StepResult, as_messages, register_env
+from dsrl.agent.environments import env_names, make_env, resolve_env
 from dsrl.agent.envs.calculator import CalculatorEnv
 from dsrl.registry import PluginError
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from dsrl.agent.env import make_env
+from dsrl.agent.environments import make_env
 from dsrl.agent.envs.calculator import FEW_SHOT
 from dsrl.agent.tools import TOOL_SYSTEM_PROMPT
 from dsrl.data.arith import ArithSource

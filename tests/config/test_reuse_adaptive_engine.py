@@ -68,7 +68,7 @@ def test_probe_passes_and_rollout_log_probs_are_the_old_policy(tiny_model_path, 
     # The old policy handed to the loss is the rollout log-probs, bit for bit.
     trainer2 = make_trainer(cfg, build_engine(tiny_model_path), tiny_tokenizer, tmp_path / "b", samples=samples)
     rollout = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
-    old, m = trainer2._old_policy_by_probe(samples, rollout)
+    old, m = trainer2.scoring._old_policy_by_probe(samples, rollout, 1)
     assert m["reuse/full_pass"] == 0.0
     assert all(torch.equal(o, r) for o, r in zip(old, rollout, strict=True))
 
@@ -104,10 +104,10 @@ def test_probe_objects_and_the_full_pass_runs(tiny_model_path, tiny_tokenizer, b
     # The old policy handed to the loss is the trainer's own scoring pass, bit for bit.
     trainer2 = make_trainer(cfg, build_engine(tiny_model_path), tiny_tokenizer, tmp_path / "b", samples=samples)
     rollout = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
-    old, m = trainer2._old_policy_by_probe(samples, rollout)
-    scored = trainer2._score(trainer2.actor, samples, "check")
+    old, m = trainer2.scoring._old_policy_by_probe(samples, rollout, 1)
+    scored = trainer2.scoring.score(trainer2.actor, samples, "check")
     assert m["reuse/full_pass"] == 1.0
-    assert all(torch.equal(o, s) for o, s in zip(old, scored, strict=True))  # the same _score call twice
+    assert all(torch.equal(o, s) for o, s in zip(old, scored, strict=True))  # the same score call twice
     assert not torch.equal(old[0], rollout[0])
 
     # ... so the update equals reuse off (the standalone old-policy pass every step).

@@ -124,6 +124,6 @@ def test_train_step_stops_on_samples_from_other_weights(tiny_model_path, tiny_to
             assert trainer.train_on(rows, 1)["rollout/logprob_diff"] < 1e-5
             continue
         before = rt.params(actor)
-        with pytest.raises(WeightSyncError, match=r"a train step: .* sampled tokens differ from .* by 0\.01 "):
+        with pytest.raises(WeightSyncError, match=r"step 1: .* sampled tokens differ from .* by 0\.01 "):
             trainer.train_on(rows, 1)
         rt.assert_params_equal(rt.params(actor), before)

@@ -1,0 +1,69 @@
+"""The loop state a checkpoint carries is one object (dsrl.stages.state.LoopState): every field is
+in its state_dict and comes back from load_state_dict, a field added later cannot be left out of
+the checkpoint, and what Trainer.save writes for a rank is exactly that state."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import torch
+
+from dsrl.rollout.dynamic import Rollout
+from dsrl.stages.state import LoopState
+
+from _loop_fakes import make_cfg, make_trainer
+
+# What a checkpoint's rank file holds besides the RNGs. A new LoopState field must be added here
+# (and so reviewed for resume) or this test fails.
+CHECKPOINTED = ["prompt_rng", "skips", "critic_skips", "next_rollout", "weights_step"]
+
+
+def test_every_field_is_checkpointed_and_restored():
+    assert [f.name for f in dataclasses.fields(LoopState)] == CHECKPOINTED
+    a = LoopState.fresh(seed=3, rank=1, max_skipped_steps=3)
+    a.prompt_rng.random()
+    a.skips.record(True, 1)
+    a.critic_skips.record(True, 1)
+    a.critic_skips.record(True, 2)
+    a.weights_step = 7
+    a.next_rollout.preload(8, Rollout(samples=["x"]))
+    state = a.state_dict()
+    assert list(state) == CHECKPOINTED
+    b = LoopState.fresh(seed=0, rank=0, max_skipped_steps=3)
+    assert b.load_state_dict(torch.load(_roundtrip(state), weights_only=False)) == []
+    assert b.prompt_rng.random() == a.prompt_rng.random()
+    assert (b.skips.total, b.skips.consecutive, b.critic_skips.total) == (1, 1, 2)
+    assert b.weights_step == 7 and b.next_rollout.holds(8) and b.next_rollout.take(8).samples == ["x"]
+
+
+def test_an_older_checkpoint_without_a_field_keeps_its_fresh_value():
+    b = LoopState.fresh(seed=0, rank=0, max_skipped_steps=3)
+    old = {"prompt_rng": random.Random(5).getstate(), "skips": {"total": 2, "consecutive": 0}, "next_rollout": None}
+    assert b.load_state_dict(old) == ["critic_skips", "weights_step"]
+    assert b.skips.total == 2 and b.critic_skips.total == 0 and b.weights_step == 0
+
+
+def test_trainer_save_writes_the_loop_state(tmp_path, monkeypatch):
+    import dsrl.trainer as trainer_module
+
+    written = {}
+
+    def fake_save(run_dir, step, *, actor, tokenizer, keep, rank_state, shared):
+        written.update(rank_state)
+        return str(tmp_path), 0.0
+
+    monkeypatch.setattr(trainer_module, "save_checkpoint", fake_save)
+    t = make_trainer(make_cfg(total_steps=1), tmp_path, [])
+    t.logger.log(1, t.step(1))
+    t.save(1)
+    assert list(written) == CHECKPOINTED and written["weights_step"] == 1
+    assert written["prompt_rng"] == t.state.prompt_rng.getstate()
+
+
+def _roundtrip(state):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return buf
