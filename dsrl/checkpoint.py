@@ -24,12 +24,13 @@ import random
 import shutil
 import time
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from dsrl.config.reuse import ConfigError
+from dsrl.distributed.collectives import broadcast_from_rank0
 from dsrl.distributed.ranks import global_rank, world_size
 
 log = logging.getLogger("dsrl")
@@ -57,15 +58,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _broadcast(obj: Any) -> Any:
-    """Rank 0's value of `obj` on every rank."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 # ---------------------------------------------------------------------------------------- layout
 def check_shared_checkpoint_folder(run_dir: str) -> None:
     """Collective, before training: every rank must see rank 0's checkpoint folder (it is written
@@ -78,7 +70,7 @@ def check_shared_checkpoint_folder(run_dir: str) -> None:
     import uuid
 
     root = os.path.join(run_dir, CHECKPOINTS)
-    token = _broadcast(uuid.uuid4().hex if global_rank() == 0 else None)
+    token = broadcast_from_rank0(uuid.uuid4().hex if global_rank() == 0 else None)
     probe = os.path.join(root, f".shared-probe-{token}")
     if global_rank() == 0:
         os.makedirs(root, exist_ok=True)
@@ -148,8 +140,10 @@ def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, rank_state: di
     actor.save_checkpoint(tmp)
     if critic is not None:
         critic.save_checkpoint(tmp)
-    torch.save({"rng": capture_rng(), "trainer": rank_state}, os.path.join(tmp, f"rank-{global_rank()}.pt"))
     actor.save_hf(os.path.join(tmp, "hf"), tokenizer=tokenizer)  # collective (gathers under ZeRO-3)
+    # The RNGs last, after everything above that may draw from them (library code does): the
+    # resumed run starts from the state the uninterrupted one continues with.
+    torch.save({"rng": capture_rng(), "trainer": rank_state}, os.path.join(tmp, f"rank-{global_rank()}.pt"))
     if global_rank() == 0:
         with open(os.path.join(tmp, SHARED_STATE), "w") as f:
             json.dump({"step": step, "world_size": world_size(), **shared}, f)
@@ -216,7 +210,7 @@ def find_latest(run_dir: str) -> Optional[str]:
     if global_rank() == 0:
         complete = _complete_checkpoints(run_dir)
         found = complete[0] if complete else None
-    return _broadcast(found)
+    return broadcast_from_rank0(found)
 
 
 def read_shared_state(folder: str) -> dict:

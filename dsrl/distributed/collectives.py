@@ -59,3 +59,13 @@ def all_reduce_max(value: float) -> float:
     """The largest `value` of any rank."""
     t = torch.tensor([float(value)], dtype=torch.float64)
     return float(all_reduce_(t, op=dist.ReduceOp.MAX).item())
+
+
+def broadcast_from_rank0(obj):
+    """Global rank 0's `obj` on every rank (a picklable object, over the default process group);
+    the object itself when there is one rank. Collective."""
+    if not _distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
+from dsrl.distributed.collectives import broadcast_from_rank0
+
 log = logging.getLogger("dsrl")
 
 
@@ -43,18 +45,6 @@ class RayCluster:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def share_from_leader(obj):
-    """`obj` of global rank 0 on every rank (a broadcast over the default process group; the
-    object itself when there is one rank)."""
-    import torch.distributed as dist
-
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def join(address: str, *, leader: bool, num_cpus: Optional[int] = None) -> RayCluster:
     """Connect this rank to the run's Ray cluster (collective over the trainer ranks).
 
@@ -71,12 +61,12 @@ def join(address: str, *, leader: bool, num_cpus: Optional[int] = None) -> RayCl
             shared = ("ok", cluster.address, cluster.namespace)
         except Exception as e:  # handed to every rank below, then raised here too
             shared = ("error", f"{type(e).__name__}: {e}", "")
-            share_from_leader(shared)
+            broadcast_from_rank0(shared)
             raise RayClusterError(f"rollout.ray_address={address!r}: could not join a Ray cluster: "
                                   f"{type(e).__name__}: {e}") from e
-        share_from_leader(shared)
+        broadcast_from_rank0(shared)
         return cluster
-    status, gcs, namespace = share_from_leader(None)
+    status, gcs, namespace = broadcast_from_rank0(None)
     if status != "ok":
         raise RayClusterError(f"rollout.ray_address={address!r}: rank 0 could not join a Ray cluster: {gcs}")
     try:

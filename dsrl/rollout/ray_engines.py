@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from dsrl.distributed.ray_cluster import RayCluster, share_from_leader
+from dsrl.distributed.collectives import broadcast_from_rank0
+from dsrl.distributed.ray_cluster import RayCluster
 from dsrl.distributed.ray_dispatch import DispatchTimeout, dispatch_in_order, split_even
 from dsrl.rollout.resilient import RolloutEngineError
 
@@ -366,11 +367,11 @@ def _on_leader(leader: bool, fn, what: str):
         try:
             result = fn()
         except Exception as e:
-            share_from_leader(("error", f"{type(e).__name__}: {e}"))
+            broadcast_from_rank0(("error", f"{type(e).__name__}: {e}"))
             raise
-        share_from_leader(("ok", result))
+        broadcast_from_rank0(("ok", result))
         return result
-    status, result = share_from_leader(None)
+    status, result = broadcast_from_rank0(None)
     if status != "ok":
         raise RolloutEngineError(f"rank 0 could not {what}: {result}")
     return result
