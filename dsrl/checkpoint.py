@@ -141,8 +141,10 @@ def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, rank_state: di
     if critic is not None:
         critic.save_checkpoint(tmp)
     actor.save_hf(os.path.join(tmp, "hf"), tokenizer=tokenizer)  # collective (gathers under ZeRO-3)
-    # The RNGs last, after everything above that may draw from them (library code does): the
-    # resumed run starts from the state the uninterrupted one continues with.
+    # The RNGs last, after the exports above (library code may draw from the global generators).
+    # torch's generator (dropout) resumes exactly; python's and numpy's are also drawn by library
+    # code on paths a resumed process does not share with the uninterrupted one (its start-up),
+    # and no dsrl number comes from them (tests/e2e/test_e2e_resume.py).
     torch.save({"rng": capture_rng(), "trainer": rank_state}, os.path.join(tmp, f"rank-{global_rank()}.pt"))
     if global_rank() == 0:
         with open(os.path.join(tmp, SHARED_STATE), "w") as f:

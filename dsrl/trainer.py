@@ -61,7 +61,7 @@ class Trainer:
         self.stop_signal: Optional[int] = None  # set by a signal handler: stop after this step
         # A colocated CUDA engine sleeps through the train phase (dsrl.rollout.memory); a no-op elsewhere.
         self.memory = EngineMemory(worker, sleep_mode_wanted(cfg))
-        self.weight_sync = WeightSync(actor, worker, cfg.rollout, memory=self.memory)
+        self.weight_sync = WeightSync(actor, worker, cfg.rollout, memory=self.memory, schedule=self.state.sync)
         self.rollout = RolloutStage(cfg, worker=worker, tokenizer=tokenizer, source=source, verifier=self.verifier,
                                     prompt_ids_fn=prompt_ids_fn, state=self.state)
         self.critic_update = (CriticUpdate(cfg, critic, pad_id=pad_id, skips=self.state.critic_skips)
@@ -141,7 +141,7 @@ class Trainer:
         self.state.load_state_dict(state["trainer"])  # a field an older checkpoint lacks keeps its fresh value
         self.logger.restore(shared["metrics"])
         self.start_step = int(shared["step"])
-        self.weight_sync.push(self.start_step)
+        self.weight_sync.push(self.start_step, scheduled=False)  # checked, not counted: the uninterrupted run made no such push
         self.state.weights_step = self.start_step
         if is_main_rank():
             log.info("resumed from %s: continuing after step %d", folder, self.start_step)

@@ -59,7 +59,7 @@ after a first correct sync shows it).
 from __future__ import annotations
 
 import contextlib
-
+import dataclasses
 import logging
 import time
 from typing import List, Optional, Sequence
@@ -78,6 +78,16 @@ PROBE_REFRESH = 16    # the greedy continuation is recomputed on the first probe
 PROBE_PROMPT = 8      # LoRA engines (sampled probe): prompt tokens of each probe sequence; the rest are sampled
 # Default rollout.sync_tolerance by engine dtype (mean |log-prob diff| in nats); see module doc.
 DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.12, "float16": 0.015}
+
+
+@dataclasses.dataclass
+class SyncSchedule:
+    """Where the probe schedule stands: pushes counted (rollout.sync_probe_every), checks run
+    (the greedy sequences' refresh), the current probe sequences. Part of the loop state a
+    checkpoint carries (dsrl.stages.state), so a resumed run probes what the uninterrupted one does."""
+    pushes: int = 0
+    checks: int = 0
+    sequences: Optional[List[List[int]]] = None
 
 
 class WeightSyncError(RuntimeError):
@@ -137,7 +147,8 @@ def trainer_greedy_probe(actor, prefixes: Sequence[Sequence[int]], length: int =
 
 
 class WeightSync:
-    def __init__(self, actor, worker, rollout_cfg, *, engine_dtype: Optional[str] = None, memory=None):
+    def __init__(self, actor, worker, rollout_cfg, *, engine_dtype: Optional[str] = None, memory=None,
+                 schedule: Optional[SyncSchedule] = None):
         # memory: the engine's sleep/wake bookkeeping (dsrl.rollout.memory.EngineMemory); the probe
         # needs the engine fully awake (a sleeping engine schedules nothing).
         self.actor, self.worker, self.memory = actor, worker, memory
@@ -146,7 +157,7 @@ class WeightSync:
         # rollout.sync_probe_every: the probe runs on pushes 0, N, 2N, ... of this process; the train
         # step checks the pushes between (check_samples).
         self.probe_every = int(rollout_cfg.sync_probe_every)  # >= 1 (dsrl.config.validate)
-        self.pushes = 0
+        self.schedule = schedule if schedule is not None else SyncSchedule()
         dtype = engine_dtype or getattr(rollout_cfg, "dtype", "float32")
         self.tolerance = (float(rollout_cfg.sync_tolerance) if rollout_cfg.sync_tolerance is not None
                           else default_tolerance(dtype))
@@ -158,8 +169,6 @@ class WeightSync:
         # engine: PROBE_PROMPT) and their greedy continuation by the trainer (probe_sequences).
         self.prefixes = (probe_tokens(actor.hf_config.vocab_size, length=max(PROBE_PREFIX, PROBE_PROMPT))
                          if self.probe else [])
-        self._sequences: Optional[List[List[int]]] = None
-        self._checks = 0
         # actor.lora with a LoRA-enabled engine: only the adapter is synced (dsrl.rollout.lora_sync);
         # any other engine gets the full weights with the adapter merged in (ActorEngine.export_named_tensors).
         self.adapter_sync = None
@@ -168,12 +177,14 @@ class WeightSync:
 
             self.adapter_sync = AdapterSync(actor, worker)
 
-    def push(self, step: int) -> dict:
-        """Export, pack, load into the engine(s), probe. Collective: every rank calls it."""
+    def push(self, step: int, *, scheduled: bool = True) -> dict:
+        """Export, pack, load into the engine(s), probe. Collective: every rank calls it.
+        `scheduled=False` (the push after a resume, which the uninterrupted run never made): always
+        probed, and neither counted by the schedule nor refreshing the probe sequences."""
         from dsrl.distributed.collectives import all_reduce_max
 
         if self.adapter_sync is not None:
-            return self._push_adapter(step)
+            return self._push_adapter(step, scheduled)
         t0 = time.perf_counter()
         alloc_fn = getattr(self.worker, "bucket_allocator", None)
         alloc = alloc_fn() if callable(alloc_fn) else None
@@ -202,20 +213,21 @@ class WeightSync:
         seconds = time.perf_counter() - t0
         metrics = {"timing/sync_seconds": all_reduce_max(seconds), "rollout/sync_bytes": float(nbytes),
                    "rollout/sync_buckets": float(count)}
-        return self._probe_on_schedule(step, metrics)
+        return self._probe_on_schedule(step, metrics, scheduled)
 
     @property
     def checks_samples(self) -> bool:
         """Whether the train step must check the pushes the probe skips (check_samples)."""
         return self.probe and self.probe_every > 1
 
-    def _probe_on_schedule(self, step: int, metrics: dict) -> dict:
+    def _probe_on_schedule(self, step: int, metrics: dict, scheduled: bool = True) -> dict:
         """The probe on pushes 0, N, 2N, ... (rollout.sync_probe_every = N); counts the push."""
-        due = self.probe and self.pushes % self.probe_every == 0
-        self.pushes += 1
+        due = self.probe and (not scheduled or self.schedule.pushes % self.probe_every == 0)
+        if scheduled:
+            self.schedule.pushes += 1
         if due:
             with self.memory.for_rollout() if self.memory is not None else contextlib.nullcontext():
-                metrics["rollout/sync_logprob_diff"] = self.check(step)
+                metrics["rollout/sync_logprob_diff"] = self.check(step, count=scheduled)
         return metrics
 
     def check_samples(self, abs_diff_sum: float, tokens: float, step: Optional[int]) -> None:
@@ -237,7 +249,7 @@ class WeightSync:
                                   "(checked in the train step between probes, rollout.sync_probe_every="
                                   f"{self.probe_every}): the engine does not serve the trainer's weights")
 
-    def _push_adapter(self, step: int) -> dict:
+    def _push_adapter(self, step: int, scheduled: bool = True) -> dict:
         """actor.lora: the adapter alone into the engine (dsrl.rollout.lora_sync), then the probe."""
         from dsrl.distributed.collectives import all_reduce_max
 
@@ -245,7 +257,7 @@ class WeightSync:
         self.actor.weights_pushed()
         metrics = {"timing/sync_seconds": all_reduce_max(out["seconds"]), "rollout/sync_bytes": out["bytes"],
                    "rollout/sync_buckets": out["buckets"]}
-        return self._probe_on_schedule(step, metrics)
+        return self._probe_on_schedule(step, metrics, scheduled)
 
     def _sampled_diffs(self) -> dict:
         """LoRA engines (no prompt log-probs there, dsrl.rollout.lora_sync): the engine samples
@@ -258,17 +270,21 @@ class WeightSync:
         name = getattr(self.worker, "name", "rollout engine")
         return {name: _mean_abs_diff(mine, [lps for _, lps in got], name)}
 
-    def probe_sequences(self) -> List[List[int]]:
+    def probe_sequences(self, count: bool = True) -> List[List[int]]:
         """The sequences the engines score: the prefixes and the trainer's greedy continuation,
         recomputed on the first check and every PROBE_REFRESH-th (a greedy loop costs ~3 s for
         SmolLM2 on 2 CPU cores; between refreshes the policy moves little, and its tokens stay
-        likely ones). Collective under ZeRO-3: every rank checks on the same pushes."""
-        if self._sequences is None or self._checks % PROBE_REFRESH == 0:
-            self._sequences = trainer_greedy_probe(self.actor, [p[:PROBE_PREFIX] for p in self.prefixes])
-        self._checks += 1
-        return self._sequences
+        likely ones). Collective under ZeRO-3: every rank checks on the same pushes. `count=False`
+        (an unscheduled check): the current sequences (made now if there are none), nothing counted."""
+        s = self.schedule
+        if not count:
+            return s.sequences or trainer_greedy_probe(self.actor, [p[:PROBE_PREFIX] for p in self.prefixes])
+        if s.sequences is None or s.checks % PROBE_REFRESH == 0:
+            s.sequences = trainer_greedy_probe(self.actor, [p[:PROBE_PREFIX] for p in self.prefixes])
+        s.checks += 1
+        return s.sequences
 
-    def check(self, step: int) -> float:
+    def check(self, step: int, count: bool = True) -> float:
         """Probe every engine; returns the largest mean |diff| (all ranks); raises
         WeightSyncError above the tolerance, naming the engine."""
         from dsrl.distributed.collectives import all_reduce_max
@@ -276,7 +292,7 @@ class WeightSync:
         if self.adapter_sync is not None:
             diffs = self._sampled_diffs()
         else:
-            tokens = self.probe_sequences()
+            tokens = self.probe_sequences(count)
             mine = trainer_probe_logprobs(self.actor, tokens)[:, PROBE_PREFIX - 1:]
             result = self.worker.probe_logprobs(tokens)
             per_engine = result if isinstance(result, dict) else {getattr(self.worker, "name", "rollout engine"): result}

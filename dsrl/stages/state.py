@@ -7,6 +7,7 @@ import dataclasses
 import random
 from dsrl.actor.nonfinite import SkipCounter
 from dsrl.rollout.overlap import BackgroundRollout
+from dsrl.rollout.weight_sync import SyncSchedule
 
 
 @dataclasses.dataclass
@@ -21,6 +22,8 @@ class LoopState:
     next_rollout: BackgroundRollout
     # The step whose weights the rollout engine holds (0: the initial ones).
     weights_step: int = 0
+    # The weight sync's probe schedule (pushes counted, checks run, the probe sequences).
+    sync: SyncSchedule = dataclasses.field(default_factory=SyncSchedule)
 
     @classmethod
     def fresh(cls, *, seed: int, rank: int, max_skipped_steps: int) -> "LoopState":
@@ -39,6 +42,8 @@ class LoopState:
             elif isinstance(value, BackgroundRollout):
                 held = value.finished_value()
                 value = None if held is None else (value.step, held)
+            elif isinstance(value, SyncSchedule):
+                value = dataclasses.asdict(value)
             out[f.name] = value
         return out
 
@@ -58,6 +63,9 @@ class LoopState:
             elif isinstance(current, BackgroundRollout):
                 if value is not None:
                     current.preload(*value)
+            elif isinstance(current, SyncSchedule):  # in place: the weight sync holds this object
+                for k, v in value.items():
+                    setattr(current, k, v)
             else:
                 setattr(self, f.name, value)
         return missing

@@ -14,7 +14,7 @@ import torch
 from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import Config, RolloutConfig
 from dsrl.config.validate import validate
-from dsrl.rollout.weight_sync import WeightSync, WeightSyncError
+from dsrl.rollout.weight_sync import SyncSchedule, WeightSync, WeightSyncError
 
 
 class _Actor:
@@ -46,7 +46,7 @@ def _sync(every: int, probe: bool = True) -> WeightSync:
     sync = WeightSync(_Actor(), _Worker(), dataclasses.replace(RolloutConfig(), dtype="float32", sync_probe=probe,
                                                                sync_probe_every=every))
     sync.probed = []
-    sync.check = lambda step: (sync.probed.append(step), 1e-6)[1]
+    sync.check = lambda step, count=True: (sync.probed.append(step), 1e-6)[1]
     return sync
 
 
@@ -62,6 +62,24 @@ def test_probe_runs_on_the_first_push_and_every_nth():
         every.push(step)
     assert every.probed == [1, 2, 3] and not every.checks_samples
     assert not _sync(3, probe=False).checks_samples  # no probe at all: nothing to stand in for
+
+
+def test_a_resumed_run_probes_the_steps_the_uninterrupted_one_does():
+    """The schedule is loop state (dsrl.stages.state): restored, the resume's own push is probed
+    but not counted, and the later pushes are probed where the uninterrupted run probes them."""
+    full = _sync(3)
+    for step in range(1, 8):
+        full.push(step)
+    first = _sync(3)
+    for step in (1, 2, 3):
+        first.push(step)
+    resumed = _sync(3)
+    resumed.schedule = SyncSchedule(**dataclasses.asdict(first.schedule))  # what a checkpoint carries
+    assert "rollout/sync_logprob_diff" in resumed.push(3, scheduled=False)  # the resume's push: checked
+    for step in range(4, 8):
+        resumed.push(step)
+    assert resumed.probed == [3, 4, 7] and full.probed[1:] == [4, 7]
+    assert resumed.schedule == full.schedule
 
 
 def test_check_samples_holds_the_mean_diff_to_the_tolerance():

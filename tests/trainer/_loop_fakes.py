@@ -114,7 +114,7 @@ def make_trainer(cfg: Config, run_dir, events: list, *, kinds: str = "IU", delay
         events.append(("trained", len(trainer.trained)))
         return {}
 
-    def push(step):
+    def push(step, **kw):
         trainer.worker.push_weights({}, step)
         return {}
 
