@@ -106,34 +106,34 @@ def probe_tokens(vocab_size: int, n: int = PROBE_SEQUENCES, length: int = PROBE_
     return torch.randint(0, int(vocab_size), (n, length), generator=g).tolist()
 
 
-@torch.no_grad()
-def trainer_probe_logprobs(actor, token_id_lists: Sequence[Sequence[int]]) -> torch.Tensor:
-    """The trainer's log-prob of each probe token after the first given the ones before: [n, L-1]
-    (float32 log_softmax of the logits, no temperature). Collective under ZeRO-3 (a forward)."""
+@contextlib.contextmanager
+def _eval_ids(actor, token_id_lists: Sequence[Sequence[int]]):
+    """The token ids on the trainer's device, its module in eval mode meanwhile (no grad)."""
     module = actor.module
     was_training = module.training
     module.eval()
     try:
         device = getattr(actor.engine, "device", None) or torch.device("cpu")
-        ids = torch.tensor([list(s) for s in token_id_lists], dtype=torch.long, device=device)
-        logits = actor.engine(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
-        lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        return lp.gather(-1, ids[:, 1:, None])[..., 0].cpu()
+        with torch.no_grad():
+            yield torch.tensor([list(s) for s in token_id_lists], dtype=torch.long, device=device)
     finally:
         module.train(was_training)
 
 
-@torch.no_grad()
+def trainer_probe_logprobs(actor, token_id_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The trainer's log-prob of each probe token after the first given the ones before: [n, L-1]
+    (float32 log_softmax of the logits, no temperature). Collective under ZeRO-3 (a forward)."""
+    with _eval_ids(actor, token_id_lists) as ids:
+        logits = actor.engine(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        return lp.gather(-1, ids[:, 1:, None])[..., 0].cpu()
+
+
 def trainer_greedy_probe(actor, prefixes: Sequence[Sequence[int]], length: int = PROBE_LENGTH) -> List[List[int]]:
     """The probe sequences: each prefix extended to `length` tokens by the trainer's greedy choice
     (KV-cached, eval mode). All prefixes have one length. Collective under ZeRO-3 (every rank runs
     the same number of forwards)."""
-    module = actor.module
-    was_training = module.training
-    module.eval()
-    try:
-        device = getattr(actor.engine, "device", None) or torch.device("cpu")
-        ids = torch.tensor([list(p) for p in prefixes], dtype=torch.long, device=device)
+    with _eval_ids(actor, prefixes) as ids:
         out = actor.engine(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
         while True:
             nxt = out.logits[:, -1].float().argmax(-1, keepdim=True)
@@ -142,8 +142,6 @@ def trainer_greedy_probe(actor, prefixes: Sequence[Sequence[int]], length: int =
                 return ids.cpu().tolist()
             out = actor.engine(input_ids=nxt, attention_mask=torch.ones_like(ids),
                                past_key_values=out.past_key_values, use_cache=True)
-    finally:
-        module.train(was_training)
 
 
 class WeightSync:
