@@ -11,6 +11,15 @@ It is written under a temporary name and renamed when complete, so a crash mid-s
 folder that looks complete; a folder whose manifest is missing or whose files do not match it is
 skipped with a warning naming it. The newest `keep` checkpoints are kept.
 
+trainer.checkpoint_storage: `shared` (the default): the folder is on storage every rank sees;
+rank 0 completes, renames and prunes it. `node_local`: `<run_dir>/checkpoints` is on each node's
+own disk (one path, a different disk per node). Every rank writes its DeepSpeed shards and
+rank-R.pt there (DeepSpeed's `checkpoint.use_node_local_storage`: the first rank of each node
+also writes the non-partitioned model file); rank 0 adds trainer_state.json and hf/; the first
+rank of each node (LOCAL_RANK 0) writes that node's manifest and renames that node's folder, and
+older folders are pruned only once every node's is complete. A resume takes the newest step that
+is complete on every node, and the shared state comes from rank 0.
+
 Resume is exact: with the same config and seeds the steps after the checkpoint reproduce the
 uninterrupted run (sampling seeds depend only on (seed, step, prompt), see dsrl.rollout.seeds).
 A config change that breaks that is an error naming the keys; the keys in RESUME_SAFE may change.
@@ -31,7 +40,7 @@ import torch.distributed as dist
 
 from dsrl.config.reuse import ConfigError
 from dsrl.distributed.collectives import broadcast_from_rank0
-from dsrl.distributed.ranks import global_rank, world_size
+from dsrl.distributed.ranks import global_rank, local_rank, world_size
 
 log = logging.getLogger("dsrl")
 
@@ -41,7 +50,7 @@ SHARED_STATE = "trainer_state.json"
 _PREFIX = "step-"
 
 # Config keys a resumed run may change without breaking exactness (prefix match on dotted keys).
-RESUME_SAFE = ("name", "logger.", "trainer.total_steps", "trainer.save_every", "trainer.keep_checkpoints",
+RESUME_SAFE = ("name", "logger.", "trainer.total_steps", "trainer.dist_timeout_s", "trainer.save_every", "trainer.keep_checkpoints",
                "trainer.resume", "trainer.resume_from", "trainer.eval_before", "trainer.eval_after",
                "trainer.save_final", "trainer.check_rank_sync", "trainer.max_skipped_steps",
                "trainer.resume_exact", "rollout.max_restarts", "rollout.timeout_s", "reward.timeout_s", "reward.retries",
@@ -58,42 +67,69 @@ def _barrier() -> None:
         dist.barrier()
 
 
+STORAGES = ("shared", "node_local")
+
+
+def _writer(storage: str) -> bool:
+    """Whether this rank creates, completes, renames and prunes the checkpoint folders it sees:
+    rank 0 on shared storage, the first rank of each node on node-local disks."""
+    if storage not in STORAGES:
+        raise ValueError(f"checkpoint storage {storage!r}: expected one of {STORAGES}")
+    return (local_rank() if storage == "node_local" else global_rank()) == 0
+
+
 # ---------------------------------------------------------------------------------------- layout
-def check_shared_checkpoint_folder(run_dir: str) -> None:
-    """Collective, before training: every rank must see rank 0's checkpoint folder (it is written
-    by all ranks, then completed, renamed and pruned by rank 0 alone). On node-local disks a rank on
-    another node would leave its shards in a temporary folder nobody renames, and a resume there
-    would find nothing: refused here, naming the path and the ranks that do not see it."""
+def check_shared_checkpoint_folder(run_dir: str, storage: str = "shared") -> None:
+    """Collective, before training: every rank must see the checkpoint folder of its writer
+    (`_writer`), which completes, renames and prunes it. `shared`: every rank must see rank 0's
+    folder; on node-local disks a rank on another node would leave its shards in a temporary
+    folder nobody renames, and a resume there would find nothing. `node_local`: every rank must see
+    exactly one writer's folder, its own node's (none: its node's ranks do not share a disk; two or
+    more: the folder is shared after all, and two writers would rename the same folder). Refused
+    here, naming the path and the ranks."""
+    if storage not in STORAGES:
+        raise ValueError(f"checkpoint storage {storage!r}: expected one of {STORAGES}")
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
     import socket
     import uuid
 
     root = os.path.join(run_dir, CHECKPOINTS)
-    token = broadcast_from_rank0(uuid.uuid4().hex if global_rank() == 0 else None)
-    probe = os.path.join(root, f".shared-probe-{token}")
-    if global_rank() == 0:
+    token = broadcast_from_rank0(uuid.uuid4().hex)
+    prefix = f".shared-probe-{token}"
+    probe = os.path.join(root, f"{prefix}-{global_rank()}")  # one per writer, named by its rank
+    writer = _writer(storage)
+    if writer:
         os.makedirs(root, exist_ok=True)
         with open(probe, "w") as f:
             f.write(token)
     _barrier()
     try:
-        with open(probe) as f:
-            seen = f.read() == token
+        seen = sorted(int(n[len(prefix) + 1:]) for n in os.listdir(root) if n.startswith(prefix + "-"))
     except OSError:
-        seen = False
+        seen = []
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, (global_rank(), socket.gethostname(), os.path.abspath(root), seen))
     _barrier()
-    if global_rank() == 0:
+    if writer:
         os.remove(probe)
-    blind = [f"rank {r} on {host} ({path})" for r, host, path, ok in views if not ok]
-    if blind:
-        from dsrl.config.reuse import ConfigError
+    from dsrl.config.reuse import ConfigError
 
-        raise ConfigError(f"checkpoints: {views[0][2]} is not shared by every rank ({', '.join(blind)} cannot see "
-                          "what rank 0 writes there): checkpoints and resume need one folder all nodes share; "
-                          "put hydra.run.dir (or trainer.resume_from) on a shared filesystem")
+    if storage == "shared":
+        blind = [f"rank {r} on {host} ({path})" for r, host, path, ok in views if 0 not in ok]
+        if blind:
+            raise ConfigError(f"checkpoints: {views[0][2]} is not shared by every rank ({', '.join(blind)} cannot "
+                              "see what rank 0 writes there): checkpoints and resume need one folder all nodes "
+                              "share; put hydra.run.dir (or trainer.resume_from) on a shared filesystem, or set "
+                              "trainer.checkpoint_storage=node_local (each node keeps its own ranks' shards)")
+        return
+    bad = [f"rank {r} on {host} ({path}) sees {'no' if not w else len(w)} node writers' folders"
+           + (f" (ranks {', '.join(map(str, w))})" if len(w) > 1 else "")
+           for r, host, path, w in views if len(w) != 1]
+    if bad:
+        raise ConfigError(f"trainer.checkpoint_storage=node_local: {', '.join(bad)}; each rank must see its own "
+                          "node's folder only, written by the node's first rank (LOCAL_RANK 0): on storage "
+                          "every node shares use trainer.checkpoint_storage=shared")
 
 
 # ---------------------------------------------------------------------------------------- RNG
@@ -127,13 +163,15 @@ def _manifest(folder: str) -> Dict[str, int]:
 
 
 def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, rank_state: dict, shared: dict,
-                    keep: int, critic=None) -> tuple[str, float]:
+                    keep: int, critic=None, storage: str = "shared") -> tuple[str, float]:
     """Write the checkpoint of `step` atomically; returns (folder, seconds). Collective. `critic`
-    (algo.advantage_estimator=gae): its DeepSpeed state goes into critic/ inside the same folder."""
+    (algo.advantage_estimator=gae): its DeepSpeed state goes into critic/ inside the same folder.
+    `storage`: trainer.checkpoint_storage (module docstring)."""
     t0 = time.perf_counter()
     final = checkpoint_dir(run_dir, step)
     tmp = os.path.join(run_dir, CHECKPOINTS, f".tmp-{_PREFIX}{step:06d}")
-    if global_rank() == 0:
+    writer = _writer(storage)
+    if writer:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
@@ -150,13 +188,16 @@ def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, rank_state: di
         with open(os.path.join(tmp, SHARED_STATE), "w") as f:
             json.dump({"step": step, "world_size": world_size(), **shared}, f)
     _barrier()  # every rank's files are on disk
-    if global_rank() == 0:
+    if writer:
         manifest = _manifest(tmp)  # before the manifest file itself exists
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
+    if storage == "node_local":
+        _barrier()  # every node's folder is complete before any node drops an older one
+    if writer:
         _prune(run_dir, keep)
     _barrier()
     return final, time.perf_counter() - t0
@@ -206,18 +247,47 @@ def _complete_checkpoints(run_dir: str, warn: bool = True) -> List[str]:
     return out
 
 
-def find_latest(run_dir: str) -> Optional[str]:
-    """The newest complete checkpoint of `run_dir` as rank 0 sees it (same answer on every rank)."""
-    found = None
+def find_latest(run_dir: str, storage: str = "shared") -> Optional[str]:
+    """The newest complete checkpoint of `run_dir` (same answer on every rank; collective in a
+    multi-rank run). `shared`: as rank 0 sees it. `node_local`: the newest step complete on every
+    node (each rank looks at its own node's disk); a newer one that some node lacks is named and
+    skipped."""
+    if storage not in STORAGES:
+        raise ValueError(f"checkpoint storage {storage!r}: expected one of {STORAGES}")
+    if storage == "shared" or not (dist.is_initialized() and dist.get_world_size() > 1):
+        found = None
+        if global_rank() == 0:
+            complete = _complete_checkpoints(run_dir)
+            found = complete[0] if complete else None
+        return broadcast_from_rank0(found)
+    import socket
+
+    mine = [os.path.basename(f) for f in _complete_checkpoints(run_dir, warn=local_rank() == 0)]
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (global_rank(), socket.gethostname(), mine))
+    common = set(views[0][2]).intersection(*(set(v[2]) for v in views))
     if global_rank() == 0:
-        complete = _complete_checkpoints(run_dir)
-        found = complete[0] if complete else None
-    return broadcast_from_rank0(found)
+        for name in sorted(set().union(*(set(v[2]) for v in views)) - common, reverse=True):
+            lacking = [f"rank {r} on {host}" for r, host, names in views if name not in names]
+            log.warning("skipping checkpoint %s: not complete on every node (%s lack it)",
+                        checkpoint_dir(run_dir, int(name[len(_PREFIX):])), ", ".join(lacking))
+    return checkpoint_dir(run_dir, int(max(common)[len(_PREFIX):])) if common else None
 
 
 def read_shared_state(folder: str) -> dict:
-    with open(os.path.join(folder, SHARED_STATE)) as f:
-        return json.load(f)
+    """trainer_state.json of `folder`, as rank 0 reads it (on node-local disks only rank 0's node
+    has it). Collective in a multi-rank run."""
+    state = None
+    if global_rank() == 0:
+        try:
+            with open(os.path.join(folder, SHARED_STATE)) as f:
+                state = json.load(f)
+        except (OSError, ValueError) as e:
+            state = e  # raised on every rank below, so none waits in a later collective
+    state = broadcast_from_rank0(state)
+    if isinstance(state, Exception):
+        raise state
+    return state
 
 
 def load_rank_state(folder: str) -> dict:

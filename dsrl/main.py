@@ -153,12 +153,14 @@ def build(cfg_node: DictConfig, run_dir: str):
     verifier = build_verifier(cfg.reward, source)  # reward.url (a server), reward.fn, or the source's default
 
     with prints_to_log("DeepSpeed", verbose=cfg.logger.verbose):  # its op-loading notices go to run.log
-        init_distributed()
+        init_distributed(cfg.trainer.dist_timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     torch.set_num_threads(cfg.actor.num_threads)  # resolved by dsrl.hardware
     from dsrl.checkpoint import check_shared_checkpoint_folder
 
-    check_shared_checkpoint_folder(run_dir)  # node-local checkpoint folders: refused before any model loads
+    # Checkpoint folders on node-local disks without trainer.checkpoint_storage=node_local (or a shared
+    # folder with it): refused before any model loads.
+    check_shared_checkpoint_folder(run_dir, cfg.trainer.checkpoint_storage)
     resume_point = _resume_point(cfg, run_dir, auto_keys)  # a config that breaks exact resume fails here
     if is_main_rank():
         OmegaConf.save(cfg_node, os.path.join(run_dir, "config.yaml"), resolve=True)
@@ -204,7 +206,8 @@ def _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, 
                   persistence_threshold=ac.stage3_param_persistence_threshold, temperature=cfg.rollout.temperature)
     actor = ActorEngine(model_path, trainable=True, lr=ac.lr, betas=ac.betas, eps=ac.eps,
                         weight_decay=ac.weight_decay, grad_clip=ac.grad_clip, micro_batch_size=ac.micro_batch_size,
-                        gradient_checkpointing=ac.gradient_checkpointing, lora=ac.lora, **common)
+                        gradient_checkpointing=ac.gradient_checkpointing, lora=ac.lora,
+                        node_local_checkpoints=cfg.trainer.checkpoint_storage == "node_local", **common)
     decision = reuse_for_model(decision, cfg, actor.module)  # the built modules, before training
     if worker is None:  # rollout.backend=hf: generates with the actor's own module where it can
         from dsrl.rollout.factory import build_rollout
@@ -244,7 +247,7 @@ def _resume_point(cfg, run_dir: str, auto_keys=()):
         from dsrl.config.reuse import ConfigError
 
         raise ConfigError(f"trainer.resume_from={source!r}: no such run folder")
-    folder = find_latest(source)
+    folder = find_latest(source, cfg.trainer.checkpoint_storage)
     if folder is None:
         if cfg.trainer.resume_from:
             log.warning("trainer.resume_from=%s holds no complete checkpoint: starting fresh", source)

@@ -121,6 +121,7 @@ class Trainer:
         """Checkpoint the state after `step` (collective); returns its folder."""
         folder, seconds = save_checkpoint(
             self.run_dir, step, actor=self.actor, tokenizer=self.tokenizer, keep=self.cfg.trainer.keep_checkpoints,
+            **({"storage": "node_local"} if self.cfg.trainer.checkpoint_storage == "node_local" else {}),
             **({"critic": self.critic} if self.critic is not None else {}),  # gae: the critic's DeepSpeed state
             rank_state=self.state.state_dict(),
             shared={"metrics": self.logger.history, "config": config_record(self.cfg),

@@ -1,10 +1,21 @@
 #!/usr/bin/env bash
 # Usage: launch/multinode_deepspeed.sh HOSTFILE [dsrl.main overrides...]
+#        NODE_RANK=<n> launch/multinode_deepspeed.sh --no-ssh HOSTFILE [dsrl.main overrides...]
 #
 # Trainer ranks on every node of HOSTFILE (DeepSpeed hostfile: "<host> slots=<ranks>", see
 # launch/hostfile), started over ssh by DeepSpeed's launcher from this node. Each rank runs
 # `python -m dsrl.main <overrides>`.
 #   launch/multinode_deepspeed.sh launch/hostfile +exp=grpo_reuse actor.zero_stage=3
+# --no-ssh: no ssh at all; run the same command on every node of HOSTFILE with NODE_RANK set to
+# that node's line in HOSTFILE (0 = the first); each starts its own node's ranks (DeepSpeed's
+# --no_ssh --node_rank). The first host must be an address every node reaches (MASTER_ADDR), and
+# the arguments must be the same on every node. Stop it by signalling each node's whole process
+# group (Ctrl-C, `kill -TERM -- -PGID`, a batch system's job signal): the launcher's own process
+# does not pass signals on in this mode. Without RUN_DIR the run folder is rank 0's default
+# (outputs/<date>/<time>-<name> under the checkout; dsrl/distributed/run_dir.py), as every node
+# computes its own date.
+#   NODE_RANK=0 launch/multinode_deepspeed.sh --no-ssh launch/hostfile +exp=grpo_reuse   # on host 0
+#   NODE_RANK=1 launch/multinode_deepspeed.sh --no-ssh launch/hostfile +exp=grpo_reuse   # on host 1
 # Rollout engines: colocated (one per rank, the default), or Ray-placed engines shared by all
 # ranks: start a Ray cluster first (launch/ray_cluster.sh head / worker) and add
 #   rollout.placement=ray rollout.num_engines=<M> rollout.ray_address=<ray head>:6379
@@ -16,6 +27,11 @@ set -euo pipefail
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 2; }
 [ $# -ge 1 ] || usage
 case "$1" in -h|--help) usage ;; esac
+NO_SSH=0
+if [ "$1" = "--no-ssh" ]; then
+  NO_SSH=1; shift
+  [ $# -ge 1 ] || usage
+fi
 HOSTFILE="$1"; shift
 [ -f "$HOSTFILE" ] || { echo "error: hostfile '$HOSTFILE' not found" >&2; exit 2; }
 HOSTS=$(grep -v '^[[:space:]]*#' "$HOSTFILE" | awk 'NF { print $1 }')
@@ -29,9 +45,20 @@ DEEPSPEED="${DEEPSPEED:-$ROOT/.venv/bin/deepspeed}"
 [ -n "$DEEPSPEED" ] || { echo "error: deepspeed not found (run make setup, or set DEEPSPEED)" >&2; exit 2; }
 MASTER_ADDR="${MASTER_ADDR:-$(echo "$HOSTS" | head -n 1)}"
 MASTER_PORT="${MASTER_PORT:-29500}"
-RUN_DIR="${RUN_DIR:-$ROOT/outputs/multinode-$(date +%Y%m%d-%H%M%S)}"
 
 cd "$ROOT"
+if [ "$NO_SSH" = 1 ]; then
+  NHOSTS=$(echo "$HOSTS" | wc -l)
+  [[ "${NODE_RANK:-}" =~ ^[0-9]+$ ]] && [ "$NODE_RANK" -lt "$NHOSTS" ] \
+    || { echo "error: --no-ssh needs NODE_RANK=<0..$((NHOSTS - 1))> (this node's line in '$HOSTFILE')" >&2; exit 2; }
+  RUN_ARGS=()
+  [ -z "${RUN_DIR:-}" ] || RUN_ARGS=("hydra.run.dir=$RUN_DIR")
+  echo "node $NODE_RANK of $NHOSTS ($(echo "$HOSTS" | sed -n "$((NODE_RANK + 1))p")), no ssh | master $MASTER_ADDR:$MASTER_PORT" \
+       "| run dir ${RUN_DIR:-that of rank 0}"
+  exec "$DEEPSPEED" --hostfile "$HOSTFILE" --no_ssh --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" \
+    --master_port "$MASTER_PORT" --module dsrl.main ${RUN_ARGS[@]+"${RUN_ARGS[@]}"} "$@"
+fi
+RUN_DIR="${RUN_DIR:-$ROOT/outputs/multinode-$(date +%Y%m%d-%H%M%S)}"
 echo "trainer ranks on: $(echo "$HOSTS" | tr '\n' ' ')| master $MASTER_ADDR:$MASTER_PORT | run dir $RUN_DIR"
 exec "$DEEPSPEED" --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
   --module dsrl.main "hydra.run.dir=$RUN_DIR" "$@"

@@ -64,7 +64,8 @@ class CriticEngine:
     def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "float32",
                  attn_implementation: str = "eager", lr: float = 1e-5, betas: Iterable[float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, grad_clip: float = 1.0, micro_batch_size: int = 8,
-                 gradient_checkpointing: bool = False, persistence_threshold: int = 10000):
+                 gradient_checkpointing: bool = False, persistence_threshold: int = 10000,
+                 node_local_checkpoints: bool = False):
         import deepspeed
         from transformers import AutoConfig, AutoModel
 
@@ -73,7 +74,8 @@ class CriticEngine:
         self._nonfinite_loss = False
         self.last_step_skipped = False
         ds_config = build_ds_config(zero_stage, micro_batch_size, dtype=dtype, grad_clip=grad_clip,
-                                    persistence_threshold=persistence_threshold)
+                                    persistence_threshold=persistence_threshold,
+                                    node_local_storage=node_local_checkpoints)
         self.ds_config = ds_config
         hf_config = AutoConfig.from_pretrained(model_path)
         hf_ds = None
@@ -219,4 +221,5 @@ def build_critic(cfg, model_path: str, *, dtype: str, attn_implementation: str,
                         weight_decay=c.weight_decay, grad_clip=c.grad_clip,
                         micro_batch_size=c.micro_batch_size or a.micro_batch_size,
                         gradient_checkpointing=c.gradient_checkpointing,
-                        persistence_threshold=a.stage3_param_persistence_threshold)
+                        persistence_threshold=a.stage3_param_persistence_threshold,
+                        node_local_checkpoints=cfg.trainer.checkpoint_storage == "node_local")

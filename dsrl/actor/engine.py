@@ -35,12 +35,16 @@ LORA_ADAPTER_DIR = "adapter"  # actor.lora: sub-folder of a saved HF folder hold
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def init_distributed() -> None:
+def init_distributed(timeout_s: Optional[float] = None) -> None:
     """Initialise torch.distributed through DeepSpeed, once: the backend is DeepSpeed's
     accelerator's (nccl on CUDA; gloo on CPU, where DeepSpeed would name ccl). When the launch's
     ranks already met at MASTER_ADDR:MASTER_PORT to agree on the run folder
     (dsrl.distributed.run_dir), the process group is built on that same TCPStore (the port is
-    taken), bound to cuda:LOCAL_RANK under NCCL as DeepSpeed itself does, and DeepSpeed wraps it."""
+    taken), bound to cuda:LOCAL_RANK under NCCL as DeepSpeed itself does, and DeepSpeed wraps it.
+    `timeout_s` (trainer.dist_timeout_s): the process group's timeout (None: DeepSpeed's default,
+    30 min); a collective waiting longer for a rank fails."""
+    import datetime
+
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -58,19 +62,24 @@ def init_distributed() -> None:
     backend = "nccl" if accel.device_name() == "cuda" else "gloo"
     if accel.device_name() == "cuda":
         accel.set_device(int(os.environ["LOCAL_RANK"]))  # before any CUDA tensor of this rank
+    from deepspeed.constants import default_pg_timeout
+
+    timeout = datetime.timedelta(seconds=float(timeout_s)) if timeout_s else default_pg_timeout
     store = take_store()
     if store is not None:
-        from deepspeed.constants import default_pg_timeout
-
         world = int(os.environ["WORLD_SIZE"])
         extra = {"device_id": accel.device(int(os.environ["LOCAL_RANK"]))} if backend == "nccl" and world > 1 else {}
         torch.distributed.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world,
-                                             timeout=default_pg_timeout, **extra)
-    deepspeed.init_distributed(dist_backend=backend)
+                                             timeout=timeout, **extra)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
 
 
 def build_ds_config(zero_stage: int, micro_batch_size: int, *, dtype: str = "float32",
-                    grad_clip: float = 0.0, persistence_threshold: int = 10000) -> dict:
+                    grad_clip: float = 0.0, persistence_threshold: int = 10000,
+                    node_local_storage: bool = False) -> dict:
+    """DeepSpeed's config. `node_local_storage` (trainer.checkpoint_storage=node_local): the first
+    rank of every node, not only rank 0, writes the non-partitioned checkpoint files, so each
+    node's own disk holds what its ranks load."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     zero = {"stage": int(zero_stage)}
     if zero_stage == 3:
@@ -86,6 +95,7 @@ def build_ds_config(zero_stage: int, micro_batch_size: int, *, dtype: str = "flo
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
+        **({"checkpoint": {"use_node_local_storage": True}} if node_local_storage else {}),
     }
 
 
@@ -100,7 +110,7 @@ class ActorEngine:
                  betas: Iterable[float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, micro_batch_size: int = 8, gradient_checkpointing: bool = False,
                  persistence_threshold: int = 10000, temperature: float = 1.0, role: str = "actor",
-                 lora=None):
+                 lora=None, node_local_checkpoints: bool = False):
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -122,7 +132,8 @@ class ActorEngine:
         apply_dropout_knobs(hf_config, attention_dropout=attention_dropout, hidden_dropout=hidden_dropout)
         ds_config = build_ds_config(zero_stage, micro_batch_size, dtype=dtype,
                                     grad_clip=grad_clip if trainable else 0.0,
-                                    persistence_threshold=persistence_threshold)
+                                    persistence_threshold=persistence_threshold,
+                                    node_local_storage=node_local_checkpoints)
         self.ds_config = ds_config
         # ZeRO-3: transformers must know, so that it builds the model under zero.Init *and* loads
         # the checkpoint into the partitioned parameters (a bare zero.Init context leaves every

@@ -368,6 +368,16 @@ class TrainerConfig:
     # differently on the machine that resumes (a requeued job): false = go on, one warning per
     # changed key; true = refuse, naming it (the resumed steps would not equal an uninterrupted run).
     resume_exact: bool = False
+    # Where a multi-rank run's checkpoint folder lives: shared = one folder every rank sees (a shared
+    # file system; rank 0 completes, renames and prunes it); node_local = <run_dir>/checkpoints is on
+    # each node's own disk (the same path on every node): every rank writes its shards and RNG state
+    # on its node, the first rank of each node completes that node's folder, rank 0 adds the metadata
+    # and the HF export; a resume takes the newest step complete on every node.
+    checkpoint_storage: str = "shared"
+    # torch.distributed process-group timeout: a collective that waits this long for a rank (a host
+    # that vanished without closing its connections) fails. A rank that dies is noticed at once
+    # (its connections close); the rendezvous at start waits DSRL_RENDEZVOUS_TIMEOUT_S (600) instead.
+    dist_timeout_s: float = 1800.0
 
 
 @dataclass

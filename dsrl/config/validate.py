@@ -23,6 +23,7 @@ _CHOICES = {
     "rollout.placement": ("colocated", "ray"),
     "logger.wandb_mode": ("auto", "online", "offline"),
     "trainer.resume": ("auto", "off"),
+    "trainer.checkpoint_storage": ("shared", "node_local"),
     "data.on_bad_row": ("error", "skip"),
     "actor.shared_prompt": ("auto", "on", "off"),
 }
@@ -79,6 +80,7 @@ _RANGES = {
     "trainer.max_skipped_steps": (lambda v: v >= 1, ">= 1"),
     "trainer.save_every": (lambda v: v >= 0, ">= 0 (0 = only on a stop signal)"),
     "trainer.keep_checkpoints": (lambda v: v >= 0, ">= 0 (0 = keep all)"),
+    "trainer.dist_timeout_s": (lambda v: v > 0, "> 0"),
 }
 # Checked only when algo.tis_function=mis (the options of the built-in MIS correction).
 _MIS_CHOICES = {

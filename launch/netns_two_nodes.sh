@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Usage: launch/netns_two_nodes.sh create NAME ROOT | exec NAME NODE CMD... | destroy NAME | sweep
+#
+# Two "hosts" on this machine (root only): network namespaces NAME-0 and NAME-1 joined by a veth
+# pair, node 0 at 10.77.0.1/24 and node 1 at 10.77.0.2/24 (loopback up in each; nothing outside
+# this machine is reachable from them), and a node-local disk per node: ROOT/node0 and ROOT/node1,
+# each seen by its node's processes at the same path, ROOT/local (a bind mount in a mount
+# namespace of its own), as a real cluster's node-local scratch is one path on every host.
+#   create NAME ROOT      make both namespaces, the veth pair and ROOT/{local,node0,node1}; prints
+#                         "<ns0> <ns1> <if0> <if1> <addr0> <addr1>"
+#   exec NAME NODE CMD..  run CMD on node NODE (0 or 1): in its namespace, host name NAME-NODE,
+#                         ROOT/local = ROOT/nodeNODE, GLOO_SOCKET_IFNAME = its veth, DSRL_NODE_ADDR =
+#                         its address
+#   destroy NAME          kill what still runs in the namespaces, delete them (the veth pair goes
+#                         with them); leaves ROOT to its owner. Safe to repeat.
+#   sweep                 destroy every dsrl2n-PID-* whose creator PID is gone (a crashed run's)
+# NAME must read dsrl2n-<creator pid>-<tag> (<tag>: up to 6 letters/digits); the veth names are
+# derived from it (15 characters at most). Example, the two-node DeepSpeed launch of
+# tests/multinode (one rank per node, no ssh; see README "Scaling out"):
+#   launch/netns_two_nodes.sh create dsrl2n-$$-a /tmp/two
+#   launch/netns_two_nodes.sh exec dsrl2n-$$-a 0 env NODE_RANK=0 MASTER_ADDR=10.77.0.1 \
+#     launch/multinode_deepspeed.sh --no-ssh HOSTFILE +exp=grpo_reuse ... &   # and node 1 with NODE_RANK=1
+#   launch/netns_two_nodes.sh destroy dsrl2n-$$-a
+set -euo pipefail
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 2; }
+die() { echo "netns_two_nodes: $*" >&2; exit 1; }
+ADDR=(10.77.0.1 10.77.0.2)
+
+check_name() {
+  [[ "$1" =~ ^dsrl2n-([0-9]+)-([A-Za-z0-9]{1,6})$ ]] || die "name '$1' must read dsrl2n-<pid>-<tag> (tag: 1-6 letters/digits)"
+  PID_OF_NAME="${BASH_REMATCH[1]}"; TAG="${BASH_REMATCH[2]}"
+  # Interface names: "d" + last 6 digits of the pid + tag + "v0"/"v1" <= 15 characters.
+  local p; p="$(printf '%06d' "$PID_OF_NAME")"; p="${p: -6}"
+  IF=("d${p}${TAG}v0" "d${p}${TAG}v1")
+  NS=("$1-0" "$1-1")
+}
+
+STATE=/run/dsrl2n  # NAME.root: the ROOT of each live pair
+root_of() { cat "$STATE/$1.root" 2>/dev/null || true; }
+
+create() {
+  local name="$1" root="$2"
+  check_name "$name"
+  [ "$(id -u)" = 0 ] || die "needs root (ip netns add)"
+  mkdir -p "$root/local" "$root/node0" "$root/node1"
+  root="$(cd "$root" && pwd)"
+  [ ! -e "/run/netns/${NS[0]}" ] && [ ! -e "/run/netns/${NS[1]}" ] || die "namespaces '$name' exist already"
+  trap 'destroy "$name" >/dev/null 2>&1 || true' EXIT  # a failure below leaves nothing behind
+  mkdir -p "$STATE"
+  echo "$root" > "$STATE/$name.root"
+  ip netns add "${NS[0]}"
+  ip netns add "${NS[1]}"
+  ip link add "${IF[0]}" type veth peer name "${IF[1]}"
+  for i in 0 1; do
+    ip link set "${IF[$i]}" netns "${NS[$i]}"
+    ip -n "${NS[$i]}" link set lo up
+    ip -n "${NS[$i]}" addr add "${ADDR[$i]}/24" dev "${IF[$i]}"
+    ip -n "${NS[$i]}" link set "${IF[$i]}" up
+  done
+  trap - EXIT
+  echo "${NS[0]} ${NS[1]} ${IF[0]} ${IF[1]} ${ADDR[0]} ${ADDR[1]}"
+}
+
+run_on() {
+  local name="$1" node="$2"; shift 2
+  check_name "$name"
+  [[ "$node" =~ ^[01]$ ]] || die "node must be 0 or 1, got '$node'"
+  local root; root="$(root_of "$name")"
+  [ -n "$root" ] || die "no namespaces '$name' (run create first)"
+  # `ip netns exec` gives the command a mount namespace of its own: the bind mount stays in it;
+  # `unshare --uts`: a host name of its own (the namespace's name), as a real host has.
+  exec ip netns exec "${NS[$node]}" env GLOO_SOCKET_IFNAME="${IF[$node]}" DSRL_NODE_ADDR="${ADDR[$node]}" \
+    unshare --uts bash -c 'hostname "$1" && mount --bind "$2" "$3" && shift 3 && exec "$@"' _ \
+    "${NS[$node]}" "$root/node$node" "$root/local" "$@"
+}
+
+destroy() {
+  local name="$1"
+  check_name "$name"
+  local ns pid
+  for ns in "${NS[@]}"; do
+    [ -e "/run/netns/$ns" ] || continue
+    # Only processes inside this run's own namespaces: a run's leftovers, never anything else.
+    for _ in 1 2 3; do
+      pids=$(ip netns pids "$ns" 2>/dev/null || true)
+      [ -n "$pids" ] || break
+      for pid in $pids; do kill -9 "$pid" 2>/dev/null || true; done
+      sleep 0.2
+    done
+    ip netns delete "$ns" 2>/dev/null || true
+  done
+  rm -f "$STATE/$name.root"
+}
+
+sweep() {
+  local name
+  for name in $(ip netns list 2>/dev/null | awk '{ print $1 }' | grep -E '^dsrl2n-[0-9]+-[A-Za-z0-9]+-[01]$' \
+                | sed 's/-[01]$//' | sort -u || true); do
+    check_name "$name"
+    if ! kill -0 "$PID_OF_NAME" 2>/dev/null; then
+      echo "netns_two_nodes: removing $name (its creator, pid $PID_OF_NAME, is gone)" >&2
+      destroy "$name"
+    fi
+  done
+}
+
+[ $# -ge 1 ] || usage
+cmd="$1"; shift
+case "$cmd" in
+  create) [ $# -eq 2 ] || usage; create "$@" ;;
+  exec) [ $# -ge 3 ] || usage; run_on "$@" ;;
+  destroy) [ $# -eq 1 ] || usage; destroy "$1" ;;
+  sweep) [ $# -eq 0 ] || usage; sweep ;;
+  -h|--help) usage ;;
+  *) usage ;;
+esac
