@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -94,15 +95,27 @@ def run(cfg_node: DictConfig, run_dir: str) -> dict:
         reaper.close()
 
 
+# Seconds after a stop signal within which another one is taken as the same request (launchers
+# pass a signal on to the ranks that already got it from their process group).
+REPEAT_GRACE_S = 5.0
+
+
 @contextlib.contextmanager
 def _stop_on_signals(trainer):
     """First SIGTERM/SIGINT: finish the step, checkpoint, stop (trainer.fit raises RunStopped).
-    Second: stop now (SystemExit; the caller's finally blocks still stop the engines)."""
+    Second, REPEAT_GRACE_S or more after the first: stop now (SystemExit; the caller's finally
+    blocks still stop the engines). A repeat within REPEAT_GRACE_S is the same request: a signal to
+    a node's process group reaches the rank and DeepSpeed's launcher, which passes it on again."""
+    first = []
+
     def handler(signum, frame):
         if trainer.stop_signal is None:
             trainer.stop_signal = signum
+            first.append(time.monotonic())
             log.warning("%s: stopping after this step with a checkpoint (send it again to stop now)",
                         signal.Signals(signum).name)
+            return
+        if time.monotonic() - first[0] < REPEAT_GRACE_S:
             return
         raise SystemExit(128 + signum)
 
@@ -154,6 +167,9 @@ def build(cfg_node: DictConfig, run_dir: str):
 
     with prints_to_log("DeepSpeed", verbose=cfg.logger.verbose):  # its op-loading notices go to run.log
         init_distributed(cfg.trainer.dist_timeout_s)
+    from dsrl.distributed import peers
+
+    peers.record()  # which rank runs on which host: a failed collective names the rank it lost
     torch.manual_seed(cfg.trainer.seed)
     torch.set_num_threads(cfg.actor.num_threads)  # resolved by dsrl.hardware
     from dsrl.checkpoint import check_shared_checkpoint_folder
@@ -274,6 +290,14 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     except StartupError as e:
         print(f"dsrl: {e}", file=sys.stderr)
+        sys.exit(1)
+    except RuntimeError as e:
+        from dsrl.distributed.peers import lost_rank_message
+
+        lost = lost_rank_message(e)  # a peer rank went away: one line naming it and its host
+        if lost is None:
+            raise
+        print(f"dsrl: {lost}", file=sys.stderr)
         sys.exit(1)
     except RunStopped as e:
         print(f"dsrl: stopped by {signal.Signals(e.signum).name} after step {e.step}; "

@@ -7,13 +7,15 @@
 # `python -m dsrl.main <overrides>`.
 #   launch/multinode_deepspeed.sh launch/hostfile +exp=grpo_reuse actor.zero_stage=3
 # --no-ssh: no ssh at all; run the same command on every node of HOSTFILE with NODE_RANK set to
-# that node's line in HOSTFILE (0 = the first); each starts its own node's ranks (DeepSpeed's
-# --no_ssh --node_rank). The first host must be an address every node reaches (MASTER_ADDR), and
-# the arguments must be the same on every node. Stop it by signalling each node's whole process
-# group (Ctrl-C, `kill -TERM -- -PGID`, a batch system's job signal): the launcher's own process
-# does not pass signals on in this mode. Without RUN_DIR the run folder is rank 0's default
-# (outputs/<date>/<time>-<name> under the checkout; dsrl/distributed/run_dir.py), as every node
-# computes its own date.
+# that node's line in HOSTFILE (0 = the first). It runs DeepSpeed's per-node launcher
+# (deepspeed.launcher.launch, what `deepspeed --no_ssh --node_rank N` starts) in this process, so
+# a SIGTERM/SIGINT to it (or to the node's process group: Ctrl-C, a batch system's job signal)
+# reaches the ranks, which finish the step, write a checkpoint and exit, and it returns when they
+# are done (`deepspeed --no_ssh` itself exits on the signal at once, leaving them running).
+# DeepSpeed's launcher SIGKILLs ranks still running 30 s after it passed a signal on. The first host
+# must be an address every node reaches (MASTER_ADDR); the arguments must be the same on every
+# node. Without RUN_DIR the run folder is rank 0's default (outputs/<date>/<time>-<name> under the
+# checkout; dsrl/distributed/run_dir.py), as every node would compute its own date.
 #   NODE_RANK=0 launch/multinode_deepspeed.sh --no-ssh launch/hostfile +exp=grpo_reuse   # on host 0
 #   NODE_RANK=1 launch/multinode_deepspeed.sh --no-ssh launch/hostfile +exp=grpo_reuse   # on host 1
 # Rollout engines: colocated (one per rank, the default), or Ray-placed engines shared by all
@@ -55,8 +57,14 @@ if [ "$NO_SSH" = 1 ]; then
   [ -z "${RUN_DIR:-}" ] || RUN_ARGS=("hydra.run.dir=$RUN_DIR")
   echo "node $NODE_RANK of $NHOSTS ($(echo "$HOSTS" | sed -n "$((NODE_RANK + 1))p")), no ssh | master $MASTER_ADDR:$MASTER_PORT" \
        "| run dir ${RUN_DIR:-that of rank 0}"
-  exec "$DEEPSPEED" --hostfile "$HOSTFILE" --no_ssh --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" \
-    --master_port "$MASTER_PORT" --module dsrl.main ${RUN_ARGS[@]+"${RUN_ARGS[@]}"} "$@"
+  # The python that runs the deepspeed command; the world as `deepspeed` itself encodes it.
+  PY="$(head -n 1 "$DEEPSPEED" | sed -n 's/^#! *//p')"
+  [ -x "${PY%% *}" ] || PY="$(command -v python3)"
+  WORLD_INFO=$($PY -c 'import sys
+from deepspeed.launcher.runner import encode_world_info, fetch_hostfile
+print(encode_world_info({h: list(range(n)) for h, n in fetch_hostfile(sys.argv[1]).items()}))' "$HOSTFILE" 2>/dev/null)
+  exec $PY -u -m deepspeed.launcher.launch --world_info="$WORLD_INFO" --node_rank="$NODE_RANK" \
+    --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --module dsrl.main ${RUN_ARGS[@]+"${RUN_ARGS[@]}"} "$@"
 fi
 RUN_DIR="${RUN_DIR:-$ROOT/outputs/multinode-$(date +%Y%m%d-%H%M%S)}"
 echo "trainer ranks on: $(echo "$HOSTS" | tr '\n' ' ')| master $MASTER_ADDR:$MASTER_PORT | run dir $RUN_DIR"
