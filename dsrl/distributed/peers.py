@@ -63,8 +63,9 @@ def lost_rank_message(exc: BaseException) -> Optional[str]:
     lost = [row for row in _table if row[2] in addrs and row[0] != me]
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     where = f"rank {me} on host {mine[1]} ({mine[2]})"
-    # The innermost dsrl frame: where in the step the collective was.
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}dsrl{os.sep}" in f.filename]
+    # The innermost dsrl frame outside dsrl/distributed (the collective helpers): where in the step it was.
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}dsrl{os.sep}" in f.filename
+              and f"{os.sep}dsrl{os.sep}distributed{os.sep}" not in f.filename]
     at = ""
     if frames:
         f = frames[-1]

@@ -1,0 +1,242 @@
+"""The multi-node DeepSpeed launch across two hosts (network namespaces, tests/multinode/conftest.py):
+one rank per node (gloo over the veth pair), the tiny model, ZeRO-3, node-local checkpoints, run as
+a user runs it on two hosts without ssh (launch/multinode_deepspeed.sh --no-ssh, NODE_RANK per
+host; README "Scaling out").
+
+A: two steps uninterrupted. One run folder (rank 0's timestamped name, on both nodes), metrics from
+both ranks in rank 0's metrics.jsonl, identical parameters on both ranks after every step
+(trainer.check_rank_sync), each node's checkpoint folder holding its own rank's shards.
+B: SIGTERM to both nodes' process groups (as Ctrl-C or a batch system sends it) stops both after
+step 1 with a checkpoint on each node; B resumed equals A (checkpoints file by file, metrics).
+C: the rank on node 1 SIGKILLed mid-step: node 0 stops within trainer.dist_timeout_s naming the
+lost rank and its host, no process survives on either node, and C resumed from its last complete
+checkpoint equals A."""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from dsrl.testing import subprocess_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = ROOT / "launch" / "multinode_deepspeed.sh"
+DIST_TIMEOUT_S = 60  # trainer.dist_timeout_s of these runs: the bound on noticing a lost rank
+
+
+def _e2e():
+    """tests/e2e/test_e2e_resume.py's config and checkpoint comparison (one copy of each)."""
+    spec = importlib.util.spec_from_file_location("dsrl_e2e_resume", ROOT / "tests" / "e2e" / "test_e2e_resume.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+E2E = _e2e()
+_base_equal = E2E._equal
+
+
+def _equal(a, b, where: str) -> None:
+    """E2E._equal, and an object without its own == (ZeRO-3's optimizer state holds DeepSpeed's
+    LossScaler) compared by its attributes. Installed in this module's private copy of E2E only."""
+    if type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):
+        assert type(a) is type(b), (where, type(a), type(b))
+        return _base_equal(vars(a), vars(b), where)
+    return _base_equal(a, b, where)
+
+
+E2E._equal = _equal  # _base_equal's recursion reaches it through the module's globals
+COMMON = [*E2E.TINY, "rollout.backend=hf", "actor.zero_stage=3", "actor.stage3_param_persistence_threshold=0",
+          "trainer.total_steps=2", "trainer.save_every=1", "trainer.check_rank_sync=true",
+          "trainer.checkpoint_storage=node_local", f"trainer.dist_timeout_s={DIST_TIMEOUT_S}"]
+_ports = itertools.count(29511)
+
+
+class Launch:
+    """Both nodes' `multinode_deepspeed.sh --no-ssh`, each in its node's namespace."""
+
+    def __init__(self, nodes, out: Path, *overrides: str, run_dir: Path | None = None):
+        hostfile = nodes.local / "hostfile"
+        for n in (0, 1):
+            nodes.on_node(n, hostfile).write_text("".join(f"{a} slots=1\n" for a in nodes.addrs))
+        env = subprocess_env(RAY_AUTH_MODE="disabled", HYDRA_FULL_ERROR="1", DS_ACCELERATOR="cpu",
+                             PYTHONUNBUFFERED="1", MASTER_PORT=str(next(_ports)))
+        env.pop("RUN_DIR", None)
+        if run_dir is not None:
+            env["RUN_DIR"] = str(run_dir)
+        self.outs = [out.with_name(f"{out.name}.node{n}.log") for n in (0, 1)]
+        self.procs = []
+        for n in (0, 1):
+            with open(self.outs[n], "w") as f:
+                self.procs.append(nodes.popen(n, ["env", f"NODE_RANK={n}", LAUNCH, "--no-ssh", hostfile, *COMMON,
+                                                  *overrides], env=env, stdout=f, stderr=subprocess.STDOUT))
+        self.started = time.time()
+
+    def wait(self, timeout: float = 300) -> list:
+        end = time.time() + timeout
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(end - time.time(), 1))
+            except subprocess.TimeoutExpired:
+                for q in self.procs:
+                    _signal_group(q, signal.SIGKILL)
+                raise AssertionError(f"two-node launch still running after {timeout} s:\n{self.tail()}")
+        return [p.returncode for p in self.procs]
+
+    def text(self, n: int) -> str:
+        return self.outs[n].read_text(errors="replace")
+
+    def tail(self, chars: int = 3000) -> str:
+        return "\n".join(f"--- node {n}:\n{self.text(n)[-chars:]}" for n in (0, 1))
+
+    def check_ok(self, timeout: float = 300) -> None:
+        assert self.wait(timeout) == [0, 0], self.tail()
+
+
+def _signal_group(proc, sig) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _rows(run_dir: Path) -> list:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same_two_node_checkpoint(nodes, a: Path, b: Path, tmp: Path) -> None:
+    """A's and B's checkpoint folders (paths under nodes.local) hold the same state on both nodes:
+    each node's files, joined into one view, compared by E2E._same_checkpoint."""
+    for name, folder in (("a", a), ("b", b)):
+        view = tmp / f"view-{name}-{folder.name}"
+        view.mkdir()
+        for n in (0, 1):
+            disk = nodes.on_node(n, folder)
+            for f in disk.rglob("*"):
+                rel = f.relative_to(disk)
+                if f.is_file() and str(rel) != "COMPLETE.json":  # each node's own manifest
+                    (view / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (view / rel).symlink_to(f)
+    E2E._same_checkpoint(tmp / f"view-a-{a.name}", tmp / f"view-b-{b.name}")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(two_nodes, tiny_model_path, tmp_path_factory):
+    """Run A: two steps, the run folder named by rank 0 (a microsecond timestamp, which a node
+    computing its own would not match). Returns (run folder as the nodes see it, seconds)."""
+    logs = tmp_path_factory.mktemp("logs")
+    runs = two_nodes.local / "runs"
+    # Quoted: Hydra's override grammar takes a `%` inside an interpolation only in a quoted value.
+    rank0_dir = "${dsrl_rank0:'" + str(runs) + "/${now:%H-%M-%S-%f}'}"
+    run = Launch(two_nodes, logs / "a", f'hydra.run.dir="{rank0_dir}"')
+    run.check_ok()
+    seconds = time.time() - run.started
+    names = [sorted(os.listdir(two_nodes.on_node(n, runs))) for n in (0, 1)]
+    assert len(names[0]) == 1 and names[1] == names[0], names  # rank 0's folder name on both nodes
+    return runs / names[0][0], seconds, run
+
+
+def test_two_node_zero3_launch_one_run_folder_node_local_checkpoints(two_nodes, uninterrupted):
+    a, seconds, run = uninterrupted
+    out0, out1 = run.text(0), run.text(1)
+    assert f"run dir: {a} | ranks: 2" in out0
+    node0, node1 = two_nodes.on_node(0, a), two_nodes.on_node(1, a)
+    rows = _rows(node0)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        # Reduced over both ranks: 16 samples of 8 tokens (rollout_batch_size 4 x 4), 8 per rank.
+        assert r["rollout/response_length"] == 8.0 and r["train/microbatches"] >= 2, r
+        assert r["rollout/sync_logprob_diff"] < 1e-4  # ZeRO-3's gathered weights reached both nodes' samplers
+    assert not (node1 / "metrics.jsonl").exists() and (node1 / "run.rank1.log").is_file()
+    for step in (1, 2):
+        ck0, ck1 = node0 / "checkpoints" / f"step-{step:06d}", node1 / "checkpoints" / f"step-{step:06d}"
+        f0 = {str(p.relative_to(ck0)) for p in ck0.rglob("*") if p.is_file()}
+        f1 = {str(p.relative_to(ck1)) for p in ck1.rglob("*") if p.is_file()}
+        assert {"rank-0.pt", "trainer_state.json", "hf/model.safetensors", "COMPLETE.json"} <= f0
+        assert f1 == {"rank-1.pt", "COMPLETE.json", "deepspeed/zero_pp_rank_1_mp_rank_00_model_states.pt",
+                      "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt"}, f1
+        assert not any("rank_1" in f or f == "rank-1.pt" for f in f0), f0
+    print(f"two-node launch A (2 steps): {seconds:.1f} s")
+
+
+def test_sigterm_stops_both_nodes_with_a_checkpoint_and_the_resume_equals_the_uninterrupted_run(
+        two_nodes, uninterrupted, tmp_path):
+    a = uninterrupted[0]
+    b = two_nodes.local / "b"
+    run = Launch(two_nodes, tmp_path / "b", run_dir=b)
+    metrics = two_nodes.on_node(0, b) / "metrics.jsonl"
+    end = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert time.time() < end and all(p.poll() is None for p in run.procs), run.tail()
+        time.sleep(0.05)
+    for p in run.procs:  # as Ctrl-C or a batch system's job signal: every process of each node
+        _signal_group(p, signal.SIGTERM)
+    rcs = run.wait(120)
+    stopped = [re.search(r"dsrl: stopped by SIGTERM after step (\d+);", run.text(n)) for n in (0, 1)]
+    if all(stopped):
+        step = int(stopped[0].group(1))
+        assert step == int(stopped[1].group(1)) and rcs[0] != 0, run.tail()
+    else:  # the signal came as the last step ended: a normal finish, whose last step is saved
+        assert rcs == [0, 0], run.tail()
+        step = 2
+    assert two_nodes.wait_empty(30) == [[], []]
+    for n in (0, 1):
+        assert (two_nodes.on_node(n, b) / "checkpoints" / f"step-{step:06d}" / "COMPLETE.json").is_file()
+
+    started = time.time()
+    resumed = Launch(two_nodes, tmp_path / "b2", run_dir=b)  # the same run folder: continues
+    resumed.check_ok()
+    print(f"SIGTERM stop at step {step}, two-node resume: {time.time() - started:.1f} s")
+    if step < 2:
+        assert f"continuing after step {step}" in resumed.text(0)
+    _same_two_node_checkpoint(two_nodes, a / "checkpoints" / "step-000002", b / "checkpoints" / "step-000002",
+                              tmp_path)
+    assert E2E._untimed(_rows(two_nodes.on_node(0, b))) == E2E._untimed(_rows(two_nodes.on_node(0, a)))
+
+
+def test_rank_on_node1_killed_node0_names_it_within_the_timeout_and_the_last_checkpoint_resumes(
+        two_nodes, uninterrupted, tmp_path):
+    a = uninterrupted[0]
+    c = two_nodes.local / "c"
+    run = Launch(two_nodes, tmp_path / "c", "trainer.total_steps=3", run_dir=c)
+    done = [two_nodes.on_node(n, c) / "checkpoints" / "step-000001" / "COMPLETE.json" for n in (0, 1)]
+    end = time.time() + 300
+    while not all(f.exists() for f in done):
+        assert time.time() < end and all(p.poll() is None for p in run.procs), run.tail()
+        time.sleep(0.05)
+    rank1 = [pid for pid in two_nodes.pids(1) if b"dsrl.main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+             and b"deepspeed.launcher" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(rank1) == 1, rank1
+    os.kill(rank1[0], signal.SIGKILL)  # mid-step 2
+    killed = time.time()
+    rc0 = run.procs[0].wait(timeout=DIST_TIMEOUT_S + 30)
+    noticed = time.time() - killed
+    run.wait(30)
+    out0 = run.text(0)
+    assert rc0 != 0, run.tail()
+    lost = (f"dsrl: lost rank 1 on host {two_nodes.hosts[1]} ({two_nodes.addrs[1]}): a collective on rank 0 on "
+            f"host {two_nodes.hosts[0]} ({two_nodes.addrs[0]}) failed")
+    assert lost in out0, run.tail()
+    assert noticed < DIST_TIMEOUT_S, noticed
+    assert two_nodes.wait_empty(30) == [[], []]  # launchers and ranks gone on both nodes
+    line = next(ln for ln in out0.splitlines() if ln.startswith("dsrl: lost rank"))
+    print(f"node 0 stopped {noticed:.1f} s after the SIGKILL: {line}")
+
+    started = time.time()
+    resumed = Launch(two_nodes, tmp_path / "c2", run_dir=c)  # total_steps=2: the uninterrupted run's length
+    resumed.check_ok()
+    print(f"two-node resume after the node failure: {time.time() - started:.1f} s")
+    assert "continuing after step 1" in resumed.text(0)
+    _same_two_node_checkpoint(two_nodes, a / "checkpoints" / "step-000002", c / "checkpoints" / "step-000002",
+                              tmp_path)
+    assert E2E._untimed(_rows(two_nodes.on_node(0, c))) == E2E._untimed(_rows(two_nodes.on_node(0, a)))
