@@ -36,8 +36,8 @@ class TwoNodes:
 
     addrs = ("10.77.0.1", "10.77.0.2")
 
-    def __init__(self, name: str, root: Path):
-        self.name, self.root = name, root
+    def __init__(self, name: str, root: Path, ifaces=("?", "?")):
+        self.name, self.root, self.ifaces = name, root, tuple(ifaces)  # each node's veth end
         self.local = root / "local"  # the node-local disk's path, as every node sees it
         self.namespaces = (f"{name}-0", f"{name}-1")
         self.hosts = self.namespaces  # each node's host name
@@ -66,6 +66,12 @@ class TwoNodes:
             time.sleep(0.2)
         return [self.pids(0), self.pids(1)]
 
+    def link(self, node: int, up: bool) -> None:
+        """Node `node`'s veth end up or down (down: the host vanishes from the network, its
+        connections stay open)."""
+        subprocess.run(["ip", "-n", self.namespaces[node], "link", "set", "dev", self.ifaces[node],
+                        "up" if up else "down"], check=True, timeout=30)
+
     def destroy(self) -> None:
         subprocess.run([str(SCRIPT), "destroy", self.name], capture_output=True, text=True, timeout=60)
 
@@ -84,7 +90,7 @@ def two_nodes(tmp_path_factory):
     if r.returncode != 0:
         pytest.skip(f"network namespaces unavailable ({SCRIPT.name} create: "
                     f"{(r.stderr.strip().splitlines() or ['?'])[-1]}): two-node tests skipped")
-    nodes = TwoNodes(name, root)
+    nodes = TwoNodes(name, root, ifaces=r.stdout.split()[2:4])
     try:
         yield nodes
     finally:

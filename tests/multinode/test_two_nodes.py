@@ -10,7 +10,8 @@ B: SIGTERM to both nodes' process groups (as Ctrl-C or a batch system sends it) 
 step 1 with a checkpoint on each node; B resumed equals A (checkpoints file by file, metrics).
 C: the rank on node 1 SIGKILLed mid-step: node 0 stops within trainer.dist_timeout_s naming the
 lost rank and its host, no process survives on either node, and C resumed from its last complete
-checkpoint equals A."""
+checkpoint equals A. D: node 1 vanishes from the network (its link down, its connections left
+open): both ranks stop after trainer.dist_timeout_s, each naming the other as the suspect."""
 from __future__ import annotations
 
 import importlib.util
@@ -240,3 +241,32 @@ def test_rank_on_node1_killed_node0_names_it_within_the_timeout_and_the_last_che
     _same_two_node_checkpoint(two_nodes, a / "checkpoints" / "step-000002", c / "checkpoints" / "step-000002",
                               tmp_path)
     assert E2E._untimed(_rows(two_nodes.on_node(0, c))) == E2E._untimed(_rows(two_nodes.on_node(0, a)))
+
+
+def test_a_vanished_host_stops_both_nodes_after_the_process_group_timeout(two_nodes, tiny_model_path, tmp_path):
+    timeout_s = 10
+    d = two_nodes.local / "d"
+    run = Launch(two_nodes, tmp_path / "d", "trainer.total_steps=3", "trainer.save_every=0",
+                 f"trainer.dist_timeout_s={timeout_s}", run_dir=d)
+    metrics = two_nodes.on_node(0, d) / "metrics.jsonl"
+    end = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert time.time() < end and all(p.poll() is None for p in run.procs), run.tail()
+        time.sleep(0.05)
+    two_nodes.link(1, up=False)  # mid-step 2
+    gone = time.time()
+    try:
+        rcs = run.wait(timeout_s + 60)
+    finally:
+        two_nodes.link(1, up=True)
+    stopped = time.time() - gone
+    assert rcs[0] != 0 and rcs[1] != 0, run.tail()
+    for me, other in ((0, 1), (1, 0)):
+        assert (f"dsrl: a collective on rank {me} on host {two_nodes.hosts[me]} ({two_nodes.addrs[me]}) failed at "
+                in run.text(me)), run.tail()
+        assert (f"waiting for another rank (one of: rank {other} on host {two_nodes.hosts[other]} "
+                f"({two_nodes.addrs[other]})): " in run.text(me)), run.tail()
+    assert f"Timed out waiting {timeout_s * 1000}ms" in run.text(0)
+    assert timeout_s <= stopped < timeout_s + 30, stopped
+    assert two_nodes.wait_empty(30) == [[], []]
+    print(f"host vanished: both nodes stopped {stopped:.1f} s later (trainer.dist_timeout_s={timeout_s})")
