@@ -5,13 +5,14 @@
 `two_nodes` gives a pair per test module, named dsrl2n-<pytest pid>-<n>; its finalizer kills
 whatever still runs in the namespaces and deletes them, whatever the test did. Pairs left by a
 crashed earlier session (their pytest is gone) are removed when the first pair of a session is
-made. Without root, or where `ip netns add` fails, the tests skip with one line saying why."""
+made, and so are their node folders (/tmp/dsrl2n-<pid>-<n>). Without root, or where `ip netns add` fails, the tests skip with one line saying why."""
 from __future__ import annotations
 
 import itertools
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,16 +77,27 @@ class TwoNodes:
         subprocess.run([str(SCRIPT), "destroy", self.name], capture_output=True, text=True, timeout=60)
 
 
+def _sweep() -> None:
+    """Namespaces and node folders of earlier sessions whose pytest is gone."""
+    subprocess.run([str(SCRIPT), "sweep"], capture_output=True, text=True, timeout=120)
+    for old in Path(tempfile.gettempdir()).glob("dsrl2n-*-*"):
+        pid = old.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
+def two_nodes():
     why = _unavailable()
     if why:
         pytest.skip(why)
     if not _swept:  # leftovers of a crashed earlier session
-        subprocess.run([str(SCRIPT), "sweep"], capture_output=True, text=True, timeout=120)
+        _sweep()
         _swept.append(True)
     name = f"dsrl2n-{os.getpid()}-{next(_count)}"
-    root = tmp_path_factory.mktemp("two-nodes")
+    # A short path: Ray's Unix sockets live under a node's disk (at most 107 characters).
+    root = Path(tempfile.gettempdir()) / name
+    shutil.rmtree(root, ignore_errors=True)
     r = subprocess.run([str(SCRIPT), "create", name, str(root)], capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
         pytest.skip(f"network namespaces unavailable ({SCRIPT.name} create: "
@@ -95,5 +107,6 @@ def two_nodes(tmp_path_factory):
         yield nodes
     finally:
         nodes.destroy()
+        shutil.rmtree(root, ignore_errors=True)
         left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert not any(ns in left.split() for ns in nodes.namespaces), left

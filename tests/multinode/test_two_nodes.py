@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -270,3 +271,77 @@ def test_a_vanished_host_stops_both_nodes_after_the_process_group_timeout(two_no
     assert timeout_s <= stopped < timeout_s + 30, stopped
     assert two_nodes.wait_empty(30) == [[], []]
     print(f"host vanished: both nodes stopped {stopped:.1f} s later (trainer.dist_timeout_s={timeout_s})")
+
+
+RAY_CLUSTER = ROOT / "launch" / "ray_cluster.sh"
+SCRIPT_NETNS = ROOT / "launch" / "netns_two_nodes.sh"
+
+
+def test_two_host_ray_cluster_places_an_engine_on_each_host_and_a_lost_worker_host_is_named(
+        two_nodes, tiny_model_path, tmp_path):
+    """launch/ray_cluster.sh head on node 0 and worker on node 1 (each node's Ray session folder on
+    its own disk); one trainer rank on node 0 with two Ray-placed vLLM engines (2 CPUs each: one per
+    host), two steps in which both engines serve prompts; then every process of node 1 is SIGKILLed
+    (the worker host dies): the run stops naming the engine and its host."""
+    env = subprocess_env(RAY_AUTH_MODE="disabled", DS_ACCELERATOR="cpu", HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1",
+                         RAY_TEMP_DIR=str(two_nodes.local / "ray"))
+    try:
+        _ray_cluster_run(two_nodes, env, tmp_path)
+    finally:  # the Ray head's processes on node 0 (node 1's are gone or go now)
+        for n in (0, 1):
+            for pid in two_nodes.pids(n):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        assert two_nodes.wait_empty(30) == [[], []]
+
+
+def _ray_cluster_run(two_nodes, env, tmp_path) -> None:
+    started = time.time()
+    for n, cmd in ((0, ["head", "--num-gpus", "0"]), (1, ["worker", two_nodes.addrs[0], "--num-gpus", "0"])):
+        # `ray start` returns once the node's processes run; they stay in the node's namespace.
+        r = subprocess.run([str(SCRIPT_NETNS), "exec", two_nodes.name, str(n), "env", f"RAY_NODE_IP={two_nodes.addrs[n]}",
+                            str(RAY_CLUSTER), *cmd], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-2000:])
+    cluster_s = time.time() - started
+    run_dir = two_nodes.local / "ray-run"
+    out = tmp_path / "ray-trainer.log"
+    with open(out, "w") as f:
+        proc = two_nodes.popen(0, [sys.executable, "-m", "dsrl.main", *E2E.TINY, "trainer.total_steps=4",
+                                   "trainer.save_every=0", "trainer.save_final=false", "rollout.placement=ray",
+                                   "rollout.num_engines=2", "rollout.cpus_per_engine=2",
+                                   f"rollout.ray_address={two_nodes.addrs[0]}:6379", "rollout.timeout_s=120",
+                                   f"hydra.run.dir={run_dir}"],
+                               env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    metrics = two_nodes.on_node(0, run_dir) / "metrics.jsonl"
+    end = time.time() + 400
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert time.time() < end and proc.poll() is None, out.read_text()[-4000:]
+        time.sleep(0.1)
+    two_steps_s = time.time() - started
+    text = out.read_text()
+    assert re.search(rf"rollout engines up: engine-0 on {two_nodes.addrs[0]} .*; engine-1 on {two_nodes.addrs[1]} ",
+                     text) or re.search(rf"engine-0 on {two_nodes.addrs[1]} .*; engine-1 on {two_nodes.addrs[0]} ",
+                                        text), text[-4000:]
+    for row in _rows(two_nodes.on_node(0, run_dir)):
+        assert row["rollout/engine0_prompts"] > 0 and row["rollout/engine1_prompts"] > 0, row
+        assert row["rollout/sync_logprob_diff"] < 1e-4  # weights pushed through the object store reached both hosts
+
+    worker = [int(e) for e, addr in re.findall(r"engine-(\d) on ([0-9.]+)", text) if addr == two_nodes.addrs[1]]
+    for pid in two_nodes.pids(1):  # the worker host dies: its raylet, its engine, everything
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    killed = time.time()
+    proc.wait(timeout=180)
+    noticed = time.time() - killed
+    text = out.read_text()
+    assert proc.returncode != 0, text[-4000:]
+    named = re.search(rf"RolloutEngineError: (vLLM engine {worker[0]} \(Ray actor 'engine-{worker[0]}' in namespace "
+                      rf"'[^']+', node {re.escape(two_nodes.addrs[1])} / {re.escape(two_nodes.hosts[1])}, pid \d+\): "
+                      r"died during \w+)", text)
+    assert named, text[-4000:]
+    print(f"Ray cluster on two hosts: {cluster_s:.1f} s; trainer with an engine on each, 2 steps: "
+          f"{two_steps_s:.1f} s; worker host killed, the run stopped {noticed:.1f} s later: {named.group(1)}")
