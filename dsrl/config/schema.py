@@ -434,6 +434,16 @@ class ServeConfig:
     max_datum_tokens: int = 32768
     # Most samples one sample request may ask for (num_samples).
     max_num_samples: int = 128
+    # Largest request body in bytes (also the most a zstd body may decompress to); refused with 413.
+    max_request_bytes: int = 1073741824
+    # Largest JSON body (every request but forward_backward; a 32768-token prompt is ~0.2 MB).
+    max_json_bytes: int = 16777216
+    # Most full-parameter clients at once (each builds its own DeepSpeed engine: weights + AdamW).
+    max_full_clients: int = 2
+    # Most requests of one client that may wait for an earlier seq_id (each holds its payload).
+    max_pending_requests: int = 256
+    # Most bytes of finished results kept for retrieve_future; the oldest unread ones are dropped.
+    max_future_bytes: int = 1073741824
     # Seconds retrieve_future holds a poll before answering try_again (below the SDK's 45 s timeout).
     long_poll_seconds: float = 20.0
     # Server-side custom losses {loss_id: dotted.path.to.fn}, run by loss_fn="custom" with

@@ -4,7 +4,13 @@ Every request must carry a configured key in ``X-API-Key`` (else 401). JSON bodi
 except forward/forward_backward (protobuf in) and the results of those and of sampling
 (protobuf out, from retrieve_future). A request the server cannot read at all gets 400 with
 ``{"error", "category": "user"}``; a readable training request with bad contents gets a failed
-future instead, so that it still consumes its seq_id (tinker-protocol §2.6)."""
+future instead, so that it still consumes its seq_id (tinker-protocol §2.6).
+
+The event loop only moves bytes and touches the service's books: decompressing, JSON and
+protobuf decoding run on worker threads (`run_in_threadpool`), so one client's 100 MB
+forward_backward does not hold another client's heartbeat or future poll behind it
+(tests/serve/test_serve_event_loop.py states and checks the bound). The service's state is
+still changed on the loop alone, one request at a time, as before."""
 from __future__ import annotations
 
 import hmac
@@ -14,6 +20,7 @@ from typing import Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from dsrl.serve.errors import UserError
 from dsrl.serve.futures import ProtoReply
@@ -27,23 +34,39 @@ def _user_error(msg: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": msg, "category": "user"}, status_code=status)
 
 
-async def _json(request: Request) -> dict:
-    raw = await request.body()
+def _parse_json(raw: bytes, path: str) -> dict:
     try:
         body = json.loads(raw or b"{}")
     except ValueError as e:
-        raise UserError(f"{request.url.path}: body is not JSON ({e})") from None
+        raise UserError(f"{path}: body is not JSON ({e})") from None
     if not isinstance(body, dict):
-        raise UserError(f"{request.url.path}: body must be a JSON object")
+        raise UserError(f"{path}: body must be a JSON object")
     return body
 
 
-def _decompress(request: Request, raw: bytes) -> bytes:
-    if request.headers.get("content-encoding", "").lower() == "zstd":
-        import zstandard
+def _too_large(request: Request, size: int, limit: int) -> JSONResponse:
+    return _user_error(f"{request.url.path}: request body of {size} bytes is over serve.max_request_bytes={limit}",
+                       status=413)
 
-        return zstandard.ZstdDecompressor().decompress(raw, max_output_size=1 << 31)
-    return raw
+
+async def _body(request: Request, limit: int, key: str) -> bytes:
+    """The body, refused (UserError naming ``key``) past ``limit`` bytes, also when no
+    content-length was sent (counted as it streams in)."""
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise UserError(f"{request.url.path}: request body is over {key}={limit}")
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _json(request: Request) -> dict:
+    """The JSON object of the body, parsed on a worker thread. JSON bodies have a cap of their
+    own (serve.max_json_bytes): the JSON parser holds the GIL, and with it the event loop, for as
+    long as it parses."""
+    raw = await _body(request, request.app.state.service.opts.max_json_bytes, "serve.max_json_bytes")
+    return await run_in_threadpool(_parse_json, raw, request.url.path)
 
 
 def build_app(service: Service, api_keys: Iterable[str]) -> FastAPI:
@@ -57,6 +80,10 @@ def build_app(service: Service, api_keys: Iterable[str]) -> FastAPI:
         if not any(hmac.compare_digest(given, k) for k in keys):
             return JSONResponse({"error": "missing or invalid API key (X-API-Key)", "category": "user"},
                                 status_code=401)
+        request.state.api_key = given.decode()  # owns the checkpoints its sessions write
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > service.opts.max_request_bytes:
+            return _too_large(request, int(declared), service.opts.max_request_bytes)
         return await call_next(request)
 
     @app.exception_handler(UserError)
@@ -88,7 +115,7 @@ def build_app(service: Service, api_keys: Iterable[str]) -> FastAPI:
 
     @app.post(f"{v1}/create_session")
     async def create_session(request: Request):
-        return s.create_session(await _json(request))
+        return s.create_session(await _json(request), request.state.api_key)
 
     @app.post(f"{v1}/session_heartbeat")
     async def heartbeat(request: Request):
@@ -116,7 +143,9 @@ def build_app(service: Service, api_keys: Iterable[str]) -> FastAPI:
 
     @app.post(f"{v1}/forward_backward")
     async def forward_backward(request: Request):
-        return s.forward_backward(_decompress(request, await request.body()))
+        raw = await _body(request, s.opts.max_request_bytes, "serve.max_request_bytes")
+        call = await run_in_threadpool(s.decode_forward_backward, raw, request.headers.get("content-encoding", ""))
+        return s.forward_backward(call)
 
     @app.post(f"{v1}/optim_step")
     async def optim_step(request: Request):
@@ -132,11 +161,21 @@ def build_app(service: Service, api_keys: Iterable[str]) -> FastAPI:
 
     @app.post(f"{v1}/load_weights")
     async def load_weights(request: Request):
-        return s.load_weights(await _json(request))
+        return s.load_weights(await _json(request), request.state.api_key)
 
     @app.post(f"{v1}/create_sampling_session")
     async def create_sampling_session(request: Request):
-        return s.create_sampling_session(await _json(request))
+        return s.create_sampling_session(await _json(request), request.state.api_key)
+
+    @app.post(f"{v1}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}/publish")
+    async def publish(run_id: str, kind: str, name: str, request: Request):
+        s.set_published(run_id, f"{kind}/{name}", True, request.state.api_key)
+        return {"status": "ok"}
+
+    @app.delete(f"{v1}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}/publish")
+    async def unpublish(run_id: str, kind: str, name: str, request: Request):
+        s.set_published(run_id, f"{kind}/{name}", False, request.state.api_key)
+        return {"status": "ok"}
 
     @app.get(f"{v1}/samplers/{{sampler_id}}")
     async def get_sampler(sampler_id: str):
@@ -153,8 +192,10 @@ def build_app(service: Service, api_keys: Iterable[str]) -> FastAPI:
         try:
             reply = await s.futures.wait(rid, s.opts.long_poll_seconds)
         except KeyError:
-            return JSONResponse({"error": f"unknown or expired request_id {rid!r}", "category": "user"},
-                                status_code=410)
+            why = (f"request_id {rid!r} finished and its result was dropped unread: finished results "
+                   f"held more than serve.max_future_bytes={s.opts.max_future_bytes}") if s.futures.expired(rid) \
+                else f"unknown request_id {rid!r}"
+            return JSONResponse({"error": why, "category": "user"}, status_code=410)
         if reply is None:
             return {"type": "try_again", "request_id": rid, "queue_state": "active"}
         if isinstance(reply, ProtoReply):

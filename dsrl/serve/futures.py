@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 from dsrl.serve.errors import failure_body
 
@@ -31,27 +32,58 @@ class ProtoReply:
 Reply = Union[JsonReply, ProtoReply]
 
 
+def reply_bytes(reply: Reply) -> int:
+    """What a finished reply holds, in bytes (a JSON body: its serialized length)."""
+    if isinstance(reply, ProtoReply):
+        return len(reply.body)
+    return len(json.dumps(reply.body, default=str))
+
+
 class FutureStore:
     """request_id -> future of a Reply (a failure is a JsonReply with an ``error`` key). Finished
     futures are kept (an SDK retry of retrieve_future must find them again) up to ``keep``
-    entries, oldest dropped first; an unknown id is answered 410 by the HTTP layer."""
+    entries and ``max_bytes`` of replies (serve.max_future_bytes), the oldest finished ones
+    dropped first (a reply nobody fetches must not hold the server's memory); an unknown or
+    dropped id is answered 410 by the HTTP layer, `expired` tells the two apart."""
 
-    def __init__(self, keep: int = 100_000):
+    def __init__(self, keep: int = 100_000, max_bytes: int = 1 << 30):
         self._futures: "OrderedDict[str, concurrent.futures.Future]" = OrderedDict()
+        self._sizes: Dict[str, int] = {}  # finished request id -> reply bytes
+        self._held = 0
+        self._dropped: "OrderedDict[str, None]" = OrderedDict()  # the last ids dropped (for messages)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._keep = int(keep)
+        self._max_bytes = int(max_bytes)
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
 
     def create(self) -> str:
         rid = f"req-{next(self._ids)}"
         with self._lock:
             self._futures[rid] = concurrent.futures.Future()
-            while len(self._futures) > self._keep:
-                oldest, fut = next(iter(self._futures.items()))
-                if not fut.done():
-                    break
-                del self._futures[oldest]
+            self._evict()
         return rid
+
+    def _evict(self) -> None:
+        """Drop the oldest finished futures while over either bound (caller holds the lock). The
+        newest finished reply is kept even alone over ``max_bytes``: its client is polling for it."""
+        while len(self._futures) > self._keep or (self._held > self._max_bytes and len(self._sizes) > 1):
+            victim = next((rid for rid in self._futures if rid in self._sizes), None)
+            if victim is None:
+                return
+            del self._futures[victim]
+            self._held -= self._sizes.pop(victim)
+            self._dropped[victim] = None
+            while len(self._dropped) > 10_000:
+                self._dropped.popitem(last=False)
+
+    def expired(self, rid: str) -> bool:
+        """True: ``rid`` finished and was dropped to keep within the bounds."""
+        with self._lock:
+            return rid in self._dropped
 
     def _get(self, rid: str) -> concurrent.futures.Future:
         with self._lock:
@@ -59,8 +91,16 @@ class FutureStore:
 
     def resolve(self, rid: str, reply: Reply) -> None:
         fut = self._get(rid)
-        if not fut.done():
-            fut.set_result(reply)
+        if fut.done():
+            return
+        size = reply_bytes(reply)
+        with self._lock:
+            if rid in self._futures:
+                self._sizes[rid] = size
+                self._held += size
+        fut.set_result(reply)
+        with self._lock:
+            self._evict()
 
     def fail(self, rid: str, exc: BaseException) -> None:
         self.resolve(rid, JsonReply(failure_body(exc)))

@@ -84,10 +84,14 @@ def check_optimizer_config(cfg: Any, what: str) -> None:
         raise UserError(f"{what}: optimizer_config {cfg!r} is not supported (AdamW only)")
 
 
-def prompt_tokens(prompt: Any, vocab: int) -> List[int]:
-    """The token ids of an asample prompt ({"chunks": [{"type": "encoded_text", "tokens": [...]}]})."""
+def prompt_tokens(prompt: Any, vocab: int, max_tokens: int) -> List[int]:
+    """The token ids of an asample prompt ({"chunks": [{"type": "encoded_text", "tokens": [...]}]}),
+    at most ``max_tokens`` of them (serve.max_datum_tokens, counted before any id is read)."""
     if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
         raise UserError("asample: prompt must be {'chunks': [...]}")
+    declared = sum(len(c["tokens"]) for c in prompt["chunks"] if isinstance(c, dict) and isinstance(c.get("tokens"), list))
+    if declared > max_tokens:
+        raise UserError(f"asample: prompt has {declared} tokens, more than serve.max_datum_tokens={max_tokens}")
     tokens: List[int] = []
     for j, chunk in enumerate(prompt["chunks"]):
         if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":

@@ -20,10 +20,13 @@ class _Lane:
 
 
 class Sequencer:
-    def __init__(self, dispatch: Callable[[List[Any]], None]):
+    def __init__(self, dispatch: Callable[[List[Any]], None], *, max_pending: int = 256):
+        """``max_pending``: most requests of one lane that may wait for an earlier seq_id
+        (serve.max_pending_requests); each holds its decoded payload until it runs."""
         self._lanes: Dict[str, _Lane] = {}
         self._lock = threading.Lock()
         self._dispatch = dispatch
+        self._max_pending = int(max_pending)
 
     def open(self, key: str, first_seq: int = 1) -> None:
         """Start a lane (a new training client); its first request must carry ``first_seq``."""
@@ -46,7 +49,9 @@ class Sequencer:
         """Register request ``seq_id`` of lane ``key``. Returns (request_id, is_new). A duplicate
         gets the original id and nothing runs. ``make_op(request_id)`` builds the op; ops run in
         seq order, each as soon as all earlier ones were dispatched. KeyError: unknown lane;
-        ValueError: a seq_id below the lane's next one that was never seen (cannot be run in order)."""
+        ValueError: a seq_id below the lane's next one that was never seen (cannot be run in order),
+        or one that would wait while ``max_pending`` requests of the lane wait already (nothing
+        of it is kept: the client may send it again once the gap before it is filled)."""
         ready: List[Any] = []
         with self._lock:
             lane = self._lanes[key]
@@ -55,6 +60,10 @@ class Sequencer:
             if seq_id < lane.next_seq:
                 raise ValueError(f"seq_id {seq_id} is below the next expected seq_id {lane.next_seq} "
                                  f"of {key!r} and was never received")
+            if seq_id != lane.next_seq and len(lane.pending) >= self._max_pending:
+                raise ValueError(f"seq_id {seq_id} would wait behind seq_id {lane.next_seq} (not received yet) "
+                                 f"with {len(lane.pending)} requests of {key!r} waiting already, the most "
+                                 f"serve.max_pending_requests={self._max_pending} allows")
             rid = new_request_id()
             lane.seen[seq_id] = rid
             lane.pending[seq_id] = make_op(rid)

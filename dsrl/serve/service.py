@@ -32,7 +32,7 @@ from dsrl.serve.requests import (
     prompt_tokens,
 )
 from dsrl.serve.sequencer import Sequencer
-from dsrl.serve.store import CheckpointStore, check_name
+from dsrl.serve.store import CheckpointStore, check_name, owner_of
 
 log = logging.getLogger("dsrl.serve")
 
@@ -57,6 +57,11 @@ class ServiceOptions:
     max_merged_datums: int = 256
     max_datum_tokens: int = 32768
     max_num_samples: int = 128
+    max_request_bytes: int = 1 << 30
+    max_json_bytes: int = 16 << 20
+    max_full_clients: int = 2
+    max_pending_requests: int = 256
+    max_future_bytes: int = 1 << 30
     long_poll_seconds: float = 20.0
     custom_losses: Dict[str, str] = field(default_factory=dict)
     keep_sampler_snapshots: int = 2
@@ -67,6 +72,7 @@ class ServiceOptions:
 @dataclass
 class _Session:
     session_id: str
+    owner: str  # store.owner_of(the API key that created it): owns what its clients save
     finished: bool = False
     models: List[str] = field(default_factory=list)
 
@@ -86,9 +92,9 @@ class Service:
         self.hf_config = AutoConfig.from_pretrained(opts.model_path)
         self.objectives = ObjectiveTable(opts.custom_losses)
         self.store = CheckpointStore(opts.checkpoint_dir)
-        self.futures = FutureStore()
+        self.futures = FutureStore(max_bytes=opts.max_future_bytes)
         self.executor = Executor(self._run_batch, max_batch_size=opts.max_merged_datums)
-        self.sequencer = Sequencer(self.executor.put)
+        self.sequencer = Sequencer(self.executor.put, max_pending=opts.max_pending_requests)
         self.sampler = sampler
         self.sample_executor = Executor(self._run_samples, max_batch_size=64, name="sample") if sampler else None
         self.sessions: Dict[str, _Session] = {}
@@ -112,10 +118,10 @@ class Service:
                 "custom_loss_server_side": False, "sample_use_retrieve_futures": False,
                 "sample_join_sampling_session": False}
 
-    def create_session(self, body: dict) -> dict:
+    def create_session(self, body: dict, api_key: str = "") -> dict:
         sid = f"s-{uuid.uuid4().hex[:16]}"
         with self._lock:
-            self.sessions[sid] = _Session(sid)
+            self.sessions[sid] = _Session(sid, owner_of(api_key))
         return {"type": "create_session", "session_id": sid}
 
     def session_alive(self, session_id: str) -> bool:
@@ -180,10 +186,14 @@ class Service:
         if spec is None and not self.opts.allow_full_parameter:
             raise UserError(f"{what}: full-parameter clients are disabled (serve.allow_full_parameter=false); "
                             f"ask for a LoRA rank >= 1")
+        live = [m for m in self.model_meta.values() if not m.get("released")]
         if spec is not None:
-            n_lora = sum(1 for m in self.model_meta.values() if m["is_lora"] and not m.get("released"))
+            n_lora = sum(1 for m in live if m["is_lora"])
             if n_lora >= self.opts.max_lora_slots:
                 raise UserError(f"{what}: all {self.opts.max_lora_slots} LoRA slots are in use (serve.max_lora_slots)")
+        elif sum(1 for m in live if not m["is_lora"]) >= self.opts.max_full_clients:
+            raise UserError(f"{what}: {self.opts.max_full_clients} full-parameter clients exist already, each with "
+                            f"its own DeepSpeed engine (serve.max_full_clients); release one or ask for a LoRA rank >= 1")
 
     def _start_model(self, session: _Session, model_id: str, spec, user_metadata, load) -> dict:
         rid = self.futures.create()
@@ -191,7 +201,7 @@ class Service:
             self._created[(session.session_id, int(model_id.rsplit(":", 1)[1]))] = rid
             session.models.append(model_id)
             self.model_meta[model_id] = {"is_lora": spec is not None, "lora_rank": spec.rank if spec else 0,
-                                         "user_metadata": user_metadata or {}}
+                                         "user_metadata": user_metadata or {}, "owner": session.owner}
         self.sequencer.open(model_id, first_seq=1)
         self.executor.put([Op("create", model_id, rid, payload=(spec, load))])
         return {"request_id": rid, "model_id": model_id}
@@ -236,10 +246,27 @@ class Service:
                 return Op("fail", "", rid, payload=e)
         return make_op
 
-    def forward_backward(self, body: bytes) -> dict:
-        # UserError: unreadable proto (no seq_id to consume); a request over the limits fails alone.
-        call = wire.decode_forward_backward(body, max_datums=self.opts.max_chunk_datums,
+    def decode_forward_backward(self, body: bytes, content_encoding: str = "") -> wire.ForwardBackwardCall:
+        """The request of a forward/forward_backward body (zstd or plain). Pure CPU work on the
+        bytes, no state touched: the HTTP layer runs it on a worker thread. UserError: an
+        unreadable body (no seq_id to consume); a request over the limits comes back with
+        ``error`` set and fails alone when submitted."""
+        if content_encoding.lower() == "zstd":
+            import zstandard
+
+            limit = self.opts.max_request_bytes
+            try:
+                body = zstandard.ZstdDecompressor().decompress(body, max_output_size=limit)
+            except zstandard.ZstdError as e:
+                raise UserError(f"forward_backward: the zstd body does not decompress within "
+                                f"serve.max_request_bytes={limit} ({e})") from None
+        return wire.decode_forward_backward(body, max_datums=self.opts.max_chunk_datums,
                                             max_tokens=self.opts.max_datum_tokens)
+
+    def forward_backward(self, call: "wire.ForwardBackwardCall | bytes") -> dict:
+        """Submit a decoded request (`decode_forward_backward`; raw bytes are decoded here)."""
+        if isinstance(call, (bytes, bytearray)):
+            call = self.decode_forward_backward(bytes(call))
         what = "forward" if call.forward_only else "forward_backward"
 
         def make(rid):
@@ -285,8 +312,9 @@ class Service:
             return Op("save_sampler", model_id, rid, payload=("ephemeral", n))
         return self._sequenced(model_id, body.get("seq_id"), what, self._checked(what, make))
 
-    def load_weights(self, body: dict) -> dict:
+    def load_weights(self, body: dict, api_key: str = "") -> dict:
         what = "load_weights"
+        owner = owner_of(api_key)
         optimizer = field_of(body, "optimizer", bool, what, required=False, default=False)
         if body.get("session_id") is not None:  # create-via-load: the new client's first request
             session = self._session(body.get("session_id"), what)
@@ -295,7 +323,7 @@ class Service:
                 return {"request_id": previous, "model_id": model_id}
             self._check_base(body.get("base_model"), what)
             check_optimizer_config(body.get("optimizer_config"), what)
-            ckpt = self.store.resolve(field_of(body, "path", str, what), "weights")
+            ckpt = self.store.resolve(field_of(body, "path", str, what), "weights", owner=owner)
             spec = parse_lora(ckpt.meta.get("lora_config"), what, self.opts.max_lora_rank,
                               self.opts.lora_alpha) if ckpt.meta.get("is_lora") else None
             self._check_capacity(spec, what)
@@ -303,19 +331,19 @@ class Service:
         model_id = body.get("model_id")
 
         def make(rid):
-            ckpt = self.store.resolve(field_of(body, "path", str, what), "weights")
+            ckpt = self.store.resolve(field_of(body, "path", str, what), "weights", owner=owner)
             return Op("load_state", model_id, rid, payload=(ckpt, optimizer))
         return self._sequenced(model_id, body.get("seq_id"), what, self._checked(what, make))
 
     # ================================================================== sampling (sync part)
-    def create_sampling_session(self, body: dict) -> dict:
+    def create_sampling_session(self, body: dict, api_key: str = "") -> dict:
         what = "create_sampling_session"
         session = self._session(body.get("session_id"), what)
         n = field_of(body, "sampling_session_seq_id", int, what)
         sid = f"{session.session_id}:sample:{n}"
         path = body.get("model_path")
         if path is not None:
-            ckpt = self.store.resolve(path, "sampler_weights")
+            ckpt = self.store.resolve(path, "sampler_weights", owner=owner_of(api_key))
             folder = str(ckpt.folder)
         else:
             self._check_base(field_of(body, "base_model", str, what), what)
@@ -323,6 +351,10 @@ class Service:
         with self._lock:
             self.sampling_sessions.setdefault(sid, _SamplingSession(sid, folder, path))
         return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    def set_published(self, training_run_id: str, checkpoint_id: str, published: bool, api_key: str = "") -> None:
+        """publish / unpublish ``tinker://<training_run_id>/<checkpoint_id>`` (owner only)."""
+        self.store.set_published(f"tinker://{training_run_id}/{checkpoint_id}", owner_of(api_key), published)
 
     def get_sampler(self, sampler_id: str) -> dict:
         s = self.sampling_sessions.get(sampler_id)
@@ -362,7 +394,7 @@ class Service:
                     raise UserError(f"{what}: {key} is not supported by this server")
             if body.get("target_prompt_logprobs") is not None:
                 raise UserError(f"{what}: target_prompt_logprobs is not supported by this server")
-            prompt = prompt_tokens(body.get("prompt"), int(self.hf_config.vocab_size))
+            prompt = prompt_tokens(body.get("prompt"), int(self.hf_config.vocab_size), self.opts.max_datum_tokens)
             last_n = field_of(body, "prompt_logprobs_last_n", int, what, required=False)
             if last_n is not None and not 1 <= last_n <= len(prompt) - 1:
                 raise UserError(f"{what}: prompt_logprobs_last_n={last_n} must be in [1, len(prompt) - 1]")
@@ -491,7 +523,8 @@ class Service:
 
     def _meta_for(self, model_id: str, model) -> dict:
         return {"model_id": model_id, "base_model": self.opts.model_name, "is_lora": bool(model.is_lora),
-                "lora_config": model.lora_config, "has_optimizer": True}
+                "lora_config": model.lora_config, "has_optimizer": True,
+                "owner": self.model_meta[model_id]["owner"], "published": False}
 
     def _do_save_state(self, batch: List[Op]) -> None:
         (op,) = batch

@@ -5,10 +5,16 @@
 
 ``<run>`` is the training client's model id. Each checkpoint is a folder
 ``<root>/<run>/<weights|sampler_weights>/<name>/`` holding ``tinker.json`` (what it is: base
-model, LoRA or full, rank, whether optimizer state is inside) next to the tensors. Folders are
-written under a temporary name and renamed, so a reader never sees half a checkpoint."""
+model, LoRA or full, rank, whether optimizer state is inside, its owner) next to the tensors.
+Folders are written under a temporary name and renamed, so a reader never sees half a checkpoint.
+
+Ownership: a checkpoint belongs to the API key whose session wrote it (``owner``: a digest of
+the key, never the key). Only that key may load it, sample from it, publish or unpublish it;
+once published (the SDK's ``publish_checkpoint_from_tinker_path``) any key may load it. A
+checkpoint written before owners were recorded has none and stays open to every key."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -32,6 +38,11 @@ class Checkpoint:
     kind: str  # weights | sampler_weights
     folder: Path
     meta: dict
+
+
+def owner_of(api_key: str) -> str:
+    """The owner recorded for an API key: a digest (checkpoints never hold the key itself)."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:24]
 
 
 def check_name(name: str, what: str = "checkpoint name") -> str:
@@ -77,9 +88,9 @@ class CheckpointStore:
             raise
         return Checkpoint(self.tinker_path(run_id, kind, name), kind, final, meta)
 
-    def resolve(self, path: str, kind: Optional[str] = None) -> Checkpoint:
+    def resolve(self, path: str, kind: Optional[str] = None, *, owner: Optional[str] = None) -> Checkpoint:
         """The checkpoint a tinker:// path names; UserError naming the path if it is malformed,
-        of the wrong kind, or absent."""
+        of the wrong kind, absent, or (``owner`` given) another key's and not published."""
         if not isinstance(path, str) or not path.startswith(SCHEME):
             raise UserError(f"path {path!r} is not a tinker:// checkpoint path")
         parts = path[len(SCHEME):].split("/")
@@ -93,7 +104,27 @@ class CheckpointStore:
         meta_file = folder / META
         if not meta_file.is_file():
             raise UserError(f"checkpoint {path!r} does not exist on this server")
-        return Checkpoint(path, got_kind, folder, json.loads(meta_file.read_text()))
+        ckpt = Checkpoint(path, got_kind, folder, json.loads(meta_file.read_text()))
+        written_by = ckpt.meta.get("owner")
+        if owner is not None and written_by is not None and written_by != owner and not ckpt.meta.get("published"):
+            raise UserError(f"checkpoint {path!r} belongs to another API key and is not published (its owner "
+                            f"can publish it with RestClient.publish_checkpoint_from_tinker_path)")
+        return ckpt
+
+    def set_published(self, path: str, owner: str, published: bool) -> Checkpoint:
+        """Publish or unpublish ``path``; only its owner may. UserError if it is already so
+        (``.conflict`` set: the SDK documents 409 for publishing a public checkpoint)."""
+        ckpt = self.resolve(path)
+        if ckpt.meta.get("owner") not in (None, owner):
+            raise UserError(f"checkpoint {path!r} belongs to another API key: only its owner may "
+                            f"{'publish' if published else 'unpublish'} it")
+        if bool(ckpt.meta.get("published")) == published:
+            raise UserError(f"checkpoint {path!r} is {'already' if published else 'not'} published")
+        meta = dict(ckpt.meta, published=published)
+        tmp = ckpt.folder / f".{META}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
+        os.replace(tmp, ckpt.folder / META)
+        return Checkpoint(ckpt.tinker_path, ckpt.kind, ckpt.folder, meta)
 
     def delete(self, path: str) -> None:
         ckpt = self.resolve(path)

@@ -417,7 +417,7 @@ def test_finish_session_answers_requests_waiting_for_a_seq_id_that_never_came():
 
     put = []
     futures = FutureStore()
-    fake = SimpleNamespace(_lock=threading.Lock(), sessions={"s-1": _Session("s-1", models=["s-1:train:0"])},
+    fake = SimpleNamespace(_lock=threading.Lock(), sessions={"s-1": _Session("s-1", owner="k", models=["s-1:train:0"])},
                            futures=futures, executor=SimpleNamespace(put=put.extend))
     fake.sequencer = Sequencer(put.extend)
     fake.sequencer.open("s-1:train:0")
