@@ -50,8 +50,9 @@ SHARED_STATE = "trainer_state.json"
 _PREFIX = "step-"
 
 # Config keys a resumed run may change without breaking exactness (prefix match on dotted keys).
-RESUME_SAFE = ("name", "logger.", "trainer.total_steps", "trainer.dist_timeout_s", "trainer.save_every", "trainer.keep_checkpoints",
-               "trainer.resume", "trainer.resume_from", "trainer.eval_before", "trainer.eval_after",
+RESUME_SAFE = ("name", "logger.", "trainer.total_steps", "trainer.save_every", "trainer.keep_checkpoints",
+               "trainer.dist_timeout_s", "trainer.resume", "trainer.resume_from", "trainer.eval_before",
+               "trainer.eval_after",
                "trainer.save_final", "trainer.check_rank_sync", "trainer.max_skipped_steps",
                "trainer.resume_exact", "rollout.max_restarts", "rollout.timeout_s", "reward.timeout_s", "reward.retries",
                "reward.concurrency", "rollout.sync_probe", "rollout.sync_tolerance", "rollout.sync_bucket_mb",

@@ -14,7 +14,8 @@
 # install, and it never ran here.
 # Environment: RAY (default: the venv's ray, else the one on PATH), RAY_PORT (6379),
 # RAY_NODE_IP (this node's address as the other nodes reach it; default: Ray's guess, which needs
-# a default route), RAY_TEMP_DIR (Ray's session folder on this node; default /tmp/ray).
+# a default route), RAY_TEMP_DIR (Ray's session folder on this node; default /tmp/ray), RAY_NUM_CPUS
+# (the CPUs this node offers; default: all it has).
 # RAY_AUTH_MODE=disabled is set unless already set.
 set -euo pipefail
 
@@ -28,6 +29,7 @@ RAY_PORT="${RAY_PORT:-6379}"
 NODE_OPTS=()
 [ -z "${RAY_NODE_IP:-}" ] || NODE_OPTS+=("--node-ip-address=$RAY_NODE_IP")
 [ -z "${RAY_TEMP_DIR:-}" ] || NODE_OPTS+=("--temp-dir=$RAY_TEMP_DIR")
+[ -z "${RAY_NUM_CPUS:-}" ] || NODE_OPTS+=("--num-cpus=$RAY_NUM_CPUS")
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 
 gpus_option() {  # --num-gpus N -> ray start's option (checked)

@@ -5,7 +5,8 @@
 `two_nodes` gives a pair per test module, named dsrl2n-<pytest pid>-<n>; its finalizer kills
 whatever still runs in the namespaces and deletes them, whatever the test did. Pairs left by a
 crashed earlier session (their pytest is gone) are removed when the first pair of a session is
-made, and so are their node folders (/tmp/dsrl2n-<pid>-<n>). Without root, or where `ip netns add` fails, the tests skip with one line saying why."""
+made, and so are their node folders (/tmp/dsrl2n-<pid>-<n>). Without root, or where `ip netns add`
+fails, the tests skip with one line saying why."""
 from __future__ import annotations
 
 import itertools

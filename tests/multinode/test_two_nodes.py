@@ -287,7 +287,7 @@ def test_two_host_ray_cluster_places_an_engine_on_each_host_and_a_lost_worker_ho
     host), two steps in which both engines serve prompts; then every process of node 1 is SIGKILLed
     (the worker host dies): the run stops naming the engine and its host."""
     env = subprocess_env(RAY_AUTH_MODE="disabled", DS_ACCELERATOR="cpu", HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1",
-                         RAY_TEMP_DIR=str(two_nodes.local / "ray"))
+                         RAY_TEMP_DIR=str(two_nodes.local / "ray"), RAY_NUM_CPUS="2")  # 2 per host, 2 per engine
     try:
         _ray_cluster_run(two_nodes, env, tmp_path)
     finally:  # the Ray head's processes on node 0 (node 1's are gone or go now)
@@ -304,8 +304,9 @@ def _ray_cluster_run(two_nodes, env, tmp_path) -> None:
     started = time.time()
     for n, cmd in ((0, ["head", "--num-gpus", "0"]), (1, ["worker", two_nodes.addrs[0], "--num-gpus", "0"])):
         # `ray start` returns once the node's processes run; they stay in the node's namespace.
-        r = subprocess.run([str(SCRIPT_NETNS), "exec", two_nodes.name, str(n), "env", f"RAY_NODE_IP={two_nodes.addrs[n]}",
-                            str(RAY_CLUSTER), *cmd], env=env, capture_output=True, text=True, timeout=120)
+        r = subprocess.run([str(SCRIPT_NETNS), "exec", two_nodes.name, str(n), "env",
+                            f"RAY_NODE_IP={two_nodes.addrs[n]}", str(RAY_CLUSTER), *cmd],
+                           env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-2000:])
     cluster_s = time.time() - started
     run_dir = two_nodes.local / "ray-run"
