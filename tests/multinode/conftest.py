@@ -81,7 +81,7 @@ class TwoNodes:
 def _sweep() -> None:
     """Namespaces and node folders of earlier sessions whose pytest is gone."""
     subprocess.run([str(SCRIPT), "sweep"], capture_output=True, text=True, timeout=120)
-    for old in Path(tempfile.gettempdir()).glob("dsrl2n-*-*"):
+    for old in (Path("/tmp") if Path("/tmp").is_dir() else Path(tempfile.gettempdir())).glob("dsrl2n-*-*"):
         pid = old.name.split("-")[1]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -97,7 +97,7 @@ def two_nodes():
         _swept.append(True)
     name = f"dsrl2n-{os.getpid()}-{next(_count)}"
     # A short path: Ray's Unix sockets live under a node's disk (at most 107 characters).
-    root = Path(tempfile.gettempdir()) / name
+    root = (Path("/tmp") if Path("/tmp").is_dir() else Path(tempfile.gettempdir())) / name
     shutil.rmtree(root, ignore_errors=True)
     r = subprocess.run([str(SCRIPT), "create", name, str(root)], capture_output=True, text=True, timeout=60)
     if r.returncode != 0:

@@ -134,6 +134,15 @@ def _same_two_node_checkpoint(nodes, a: Path, b: Path, tmp: Path) -> None:
     E2E._same_checkpoint(tmp / f"view-a-{a.name}", tmp / f"view-b-{b.name}")
 
 
+def test_no_ssh_mode_needs_this_nodes_rank(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("10.77.0.1 slots=1\n10.77.0.2 slots=1\n")
+    for rank in ("", "2", "x"):
+        r = subprocess.run([str(LAUNCH), "--no-ssh", str(hostfile), "+exp=grpo_reuse"], capture_output=True, text=True,
+                           env=subprocess_env(NODE_RANK=rank), timeout=60)
+        assert r.returncode == 2 and "--no-ssh needs NODE_RANK=<0..1> (this node's line in" in r.stderr, r.stderr
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(two_nodes, tiny_model_path, tmp_path_factory):
     """Run A: two steps, the run folder named by rank 0 (a microsecond timestamp, which a node
