@@ -337,6 +337,48 @@ class ActorEngine:
             eng.allreduce_gradients()
         self._open_accumulation = False
 
+    def gradient_snapshot(self):
+        """What `restore_gradients` needs to put the accumulated gradient back as it is now (a
+        Tinker request that fails part-way must leave none of its gradient behind). Nothing to
+        copy when no backward ran since the last step; ZeRO-0 only (one process: the service's
+        full-parameter clients), where the gradient is ``param.grad`` or, in bf16,
+        BF16_Optimizer's fp32 accumulators."""
+        if not self._open_accumulation:
+            return None
+        if self.zero_stage != 0:
+            raise NotImplementedError(f"{self.role}: gradient snapshots need ZeRO-0, this engine runs ZeRO-{self.zero_stage}")
+        opt = self.engine.optimizer
+        with torch.no_grad():
+            if hasattr(opt, "fp32_groups_gradients_flat"):  # BF16_Optimizer
+                return ("bf16", [g.clone() for g in opt.fp32_groups_gradients_flat],
+                        [list(flags) for flags in opt.fp32_groups_has_gradients], self._nonfinite_loss)
+            return ("grad", [(p, None if p.grad is None else p.grad.clone()) for p in self.module.parameters()],
+                    None, self._nonfinite_loss)
+
+    def restore_gradients(self, snapshot) -> None:
+        """Put back the gradient of `gradient_snapshot` (None: none accumulated, so none now)."""
+        from dsrl.actor.nonfinite import discard_gradients
+
+        if snapshot is None:
+            discard_gradients(self.engine)
+            self._open_accumulation = False
+            self._nonfinite_loss = False
+            return
+        kind, grads, flags, nonfinite = snapshot
+        opt = self.engine.optimizer
+        with torch.no_grad():
+            if kind == "bf16":
+                for held, saved in zip(opt.fp32_groups_gradients_flat, grads):
+                    held.copy_(saved)
+                for held_flags, saved_flags in zip(opt.fp32_groups_has_gradients, flags):
+                    held_flags[:] = saved_flags
+                opt.clear_lp_grads(set_to_none=True)
+            else:
+                for p, g in grads:
+                    p.grad = g
+        self._open_accumulation = True
+        self._nonfinite_loss = nonfinite
+
     def optimizer_step(self) -> float:
         """Apply the accumulated gradient; returns the global grad norm (before clipping).
 

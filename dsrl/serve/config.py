@@ -57,6 +57,10 @@ def serve_errors(cfg) -> List[str]:
                       f"(the SDK gives up on a poll after 45 s)")
     if s.model_name is not None and (":" in s.model_name or not s.model_name.strip()):
         errors.append(f"serve.model_name={s.model_name!r} must be non-empty without ':' (the SDK cuts names at ':')")
+    if s.allow_full_parameter and int(cfg.actor.zero_stage) != 0:
+        errors.append(f"actor.zero_stage={cfg.actor.zero_stage}: the service's full-parameter clients run ZeRO-0 (one "
+                      "process: stages 1-3 partition nothing here, and a request that fails part-way can have its "
+                      "gradient put back only at stage 0); set actor.zero_stage=0 or serve.allow_full_parameter=false")
     losses = dict(s.custom_losses or {})
     malformed = [name for name, path in losses.items()
                  if not isinstance(path, str) or "." not in path.replace(":", ".")]

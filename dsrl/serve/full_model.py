@@ -29,6 +29,12 @@ class FullModel:
     def optim_step(self, params: AdamParams) -> Dict[str, float]:
         return self.session.optim_step(params).metrics
 
+    def gradient_snapshot(self):
+        return self.engine.gradient_snapshot()
+
+    def restore_gradients(self, snapshot) -> None:
+        self.engine.restore_gradients(snapshot)
+
     def save_state(self, folder: Path, *, optimizer: bool = True) -> None:
         """The engine's DeepSpeed checkpoint (weights + optimizer state of every ZeRO partition)."""
         self.engine.save_checkpoint(str(folder))

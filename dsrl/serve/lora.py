@@ -209,6 +209,14 @@ class LoraPool:
                 p.grad = grad
         return metrics
 
+    def gradient_snapshot(self, name: str) -> Dict[str, Optional[torch.Tensor]]:
+        """A copy of slot ``name``'s accumulated gradient (None where a parameter has none)."""
+        return {k: None if p.grad is None else p.grad.detach().clone() for k, p in self._params[name].items()}
+
+    def restore_gradients(self, name: str, snapshot: Mapping[str, Optional[torch.Tensor]]) -> None:
+        for k, p in self._params[name].items():
+            p.grad = snapshot[k]
+
     # ------------------------------------------------------------------ state
     def save_slot(self, name: str, folder: Path, *, optimizer: bool = True) -> None:
         from safetensors.torch import save_file
@@ -331,6 +339,12 @@ class LoraSlot:
 
     def optim_step(self, params: AdamParams) -> Dict[str, float]:
         return self.pool.step({self.tag: params})[self.tag]
+
+    def gradient_snapshot(self):
+        return self.pool.gradient_snapshot(self.tag)
+
+    def restore_gradients(self, snapshot) -> None:
+        self.pool.restore_gradients(self.tag, snapshot)
 
     def save_state(self, folder: Path, *, optimizer: bool = True) -> None:
         self.pool.save_slot(self.tag, folder, optimizer=optimizer)

@@ -479,7 +479,11 @@ class Service:
 
     def _do_fwdbwd(self, batch: List[Op]) -> None:
         """One forward (and backward) for every request of the batch; each request gets its own
-        datums' outputs and loss:sum. A request whose datums fail validation fails alone."""
+        datums' outputs and loss:sum. A request whose datums fail validation fails alone. One
+        that fails part-way (a custom loss that raises, out of memory), after some microbatches
+        went backward, leaves no gradient behind: every client of the batch gets back the
+        gradient it had before; a merged batch then runs again request by request, so that only
+        the failing request fails."""
         models = [self._model(op.lane) for op in batch]
         session = models[0].session
         obj, forward_only, _, loss_fn = batch[0].payload
@@ -497,8 +501,19 @@ class Service:
             tags.extend([model.tag] * len(items))
         if not ok:
             return
-        out = session.run_prepared(prepared, obj.spec, obj.config, forward_only=forward_only,
-                                   tags=tags if models[0].tag is not None else None)
+        involved = list({id(models[i]): models[i] for i in ok}.values())
+        saved = [] if forward_only else [m.gradient_snapshot() for m in involved]
+        try:
+            out = session.run_prepared(prepared, obj.spec, obj.config, forward_only=forward_only,
+                                       tags=tags if models[0].tag is not None else None)
+        except Exception:
+            for model, snapshot in zip(involved, saved):
+                model.restore_gradients(snapshot)
+            if len(ok) == 1:
+                raise
+            for i in ok:  # each alone: _run_batch answers each request's future, failed or not
+                self._run_batch([batch[i]])
+            return
         for i in ok:
             outs = [o for o, who in zip(out.loss_fn_outputs, owners) if who == i]
             if len(ok) == 1:

@@ -95,3 +95,25 @@ def formula_loss(loss_fn, data, lps, config=None):
             tok = -(lp * A - 0.5 * cfg["beta"] * (lp - q) ** 2)
         total += float(tok.sum())
     return total
+
+
+def hold_compute(service):
+    """Stop the compute thread at a gate op; returns (release, batches): every batch run after
+    the gate is recorded as [(kind, client), ...]."""
+    import threading
+
+    from dsrl.serve.executor import Op
+
+    gate, release, batches = service.futures.create(), threading.Event(), []
+    run = service.executor._run_batch
+
+    def recording(batch):
+        if batch[0].request_id == gate:
+            release.wait(60)
+        else:
+            batches.append([(op.kind, op.lane) for op in batch])
+        run(batch)
+
+    service.executor._run_batch = recording
+    service.executor.put([Op("fail", "gate", gate, payload=ValueError("gate"))])
+    return release, batches

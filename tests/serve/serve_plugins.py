@@ -9,3 +9,18 @@ def weighted_square(inputs):
 
 
 weighted_square.required_inputs = ("weights",)
+
+
+MARKER = -7.0
+
+
+def fails_on_marker(inputs):
+    """weighted_square, except that a microbatch holding a datum with a weight of MARKER raises
+    (a custom loss that fails part-way through a request, after earlier microbatches went backward)."""
+    w = inputs.batch["loss_weights"]
+    if bool((w == MARKER).any()):
+        raise ValueError("fails_on_marker: a datum carries the marker weight")
+    return (inputs.mask * w * inputs.log_probs ** 2).sum()
+
+
+fails_on_marker.required_inputs = ("weights",)

@@ -12,6 +12,7 @@ import pytest
 from serve_helpers import (
     KEY,
     MODEL_NAME,
+    hold_compute,
     logprobs,
     random_batch,
     start_server,
@@ -52,28 +53,6 @@ def test_lora_info_and_full_parameter_refused(sc):
         sc.create_lora_training_client("Qwen/Qwen3-8B", rank=4).result()
 
 
-def _hold_compute(service):
-    """Stop the compute thread at a gate op; returns (release, batches): every batch run after
-    the gate is recorded as [(kind, client), ...]."""
-    import threading
-
-    from dsrl.serve.executor import Op
-
-    gate, release, batches = service.futures.create(), threading.Event(), []
-    run = service.executor._run_batch
-
-    def recording(batch):
-        if batch[0].request_id == gate:
-            release.wait(60)
-        else:
-            batches.append([(op.kind, op.lane) for op in batch])
-        run(batch)
-
-    service.executor._run_batch = recording
-    service.executor.put([Op("fail", "gate", gate, payload=ValueError("gate"))])
-    return release, batches
-
-
 def test_concurrent_clients_are_isolated(sc, server):
     """A and B train at the same time: their requests share one forward and one optimizer step
     (held back until all four are queued); each ends where it would have alone (C and D), and an
@@ -82,7 +61,7 @@ def test_concurrent_clients_are_isolated(sc, server):
     da, db = random_batch(3, "cross_entropy", seed=31), random_batch(2, "cross_entropy", seed=32)
     probe = random_batch(2, "cross_entropy", seed=33)
     e_before = logprobs(e.forward(probe, "cross_entropy").result())
-    release, batches = _hold_compute(server.service)
+    release, batches = hold_compute(server.service)
     futures = [a.forward_backward(da, "cross_entropy"), b.forward_backward(db, "cross_entropy"),
                a.optim_step(_adam()), b.optim_step(_adam(3e-2))]
     deadline = time.monotonic() + 30
