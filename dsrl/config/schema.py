@@ -439,11 +439,13 @@ class ServeConfig:
     # Largest JSON body (every request but forward_backward; a 32768-token prompt is ~0.2 MB).
     max_json_bytes: int = 16777216
     # Most full-parameter clients at once (each builds its own DeepSpeed engine: weights + AdamW).
-    max_full_clients: int = 2
+    max_full_clients: int = 4
     # Most requests of one client that may wait for an earlier seq_id (each holds its payload).
     max_pending_requests: int = 256
     # Most bytes of finished results kept for retrieve_future; the oldest unread ones are dropped.
     max_future_bytes: int = 1073741824
+    # Sampled sequences kept (prompt and tokens) for checking provenance spans; oldest dropped first.
+    max_recorded_sequences: int = 100000
     # Seconds retrieve_future holds a poll before answering try_again (below the SDK's 45 s timeout).
     long_poll_seconds: float = 20.0
     # Server-side custom losses {loss_id: dotted.path.to.fn}, run by loss_fn="custom" with

@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from dsrl.serve.errors import UserError
 from dsrl.serve.futures import ProtoReply
+from dsrl.serve.requests import check_fields
 from dsrl.serve.service import Service
 
 log = logging.getLogger("dsrl.serve")
@@ -120,6 +121,7 @@ def build_app(service: Service, api_keys: Iterable[str]) -> FastAPI:
     @app.post(f"{v1}/session_heartbeat")
     async def heartbeat(request: Request):
         body = await _json(request)
+        check_fields("session_heartbeat", body)
         if not s.session_alive(body.get("session_id")):
             return JSONResponse({"error": "session finished or unknown", "category": "user"}, status_code=410)
         return {"type": "session_heartbeat"}
@@ -188,6 +190,7 @@ def build_app(service: Service, api_keys: Iterable[str]) -> FastAPI:
     @app.post(f"{v1}/retrieve_future")
     async def retrieve_future(request: Request):
         body = await _json(request)
+        check_fields("retrieve_future", body)
         rid = body.get("request_id")
         try:
             reply = await s.futures.wait(rid, s.opts.long_poll_seconds)
@@ -201,5 +204,11 @@ def build_app(service: Service, api_keys: Iterable[str]) -> FastAPI:
         if isinstance(reply, ProtoReply):
             return Response(content=reply.body, media_type=PROTO)
         return reply.body
+
+    @app.api_route(f"{v1}/{{rest:path}}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def unsupported(rest: str, request: Request):
+        """Endpoints of the SDK this server does not serve (the README lists them): 404 naming it."""
+        return _user_error(f"{request.method} {v1}/{rest}: this endpoint is not served by dsrl's Tinker service "
+                           "(README, Tinker service: what is not supported)", status=404)
 
     return app

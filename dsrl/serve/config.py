@@ -47,7 +47,7 @@ def serve_errors(cfg) -> List[str]:
                           f"at least 8 characters")
     for key in ("max_lora_rank", "max_lora_slots", "max_chunk_datums", "max_merged_datums", "keep_sampler_snapshots",
                 "max_datum_tokens", "max_num_samples", "max_request_bytes", "max_json_bytes", "max_full_clients",
-                "max_pending_requests", "max_future_bytes"):
+                "max_pending_requests", "max_future_bytes", "max_recorded_sequences"):
         if int(getattr(s, key)) < 1:
             errors.append(f"serve.{key}={getattr(s, key)} must be >= 1")
     if s.lora_alpha <= 0:
@@ -91,6 +91,7 @@ def options_from_config(cfg, model_path: str, run_dir: "str | os.PathLike[str]")
         max_request_bytes=int(s.max_request_bytes), max_json_bytes=int(s.max_json_bytes),
         max_full_clients=int(s.max_full_clients),
         max_pending_requests=int(s.max_pending_requests), max_future_bytes=int(s.max_future_bytes),
+        max_recorded_sequences=int(s.max_recorded_sequences),
         custom_losses=dict(s.custom_losses or {}), keep_sampler_snapshots=int(s.keep_sampler_snapshots),
         sampling=bool(s.sampling),
         sampler=dict(dtype=r.dtype, seed=r.seed, max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,

@@ -9,6 +9,51 @@ from dsrl.actor.work_units import AdamParams
 from dsrl.serve.errors import UserError
 
 
+# The fields of each JSON request of the SDK 0.38 wire that this server reads and honours. Any
+# other field sent with a value other than its empty default (None, False, 0, "", [], {}) is
+# refused, naming it: a request is never run as if that field had not been set. ("type" names
+# the request itself.) The README lists what is refused.
+HONOURED = {
+    "create_session": {"tags", "user_metadata", "sdk_version", "project_id", "display_name"},
+    "session_heartbeat": {"session_id"},
+    "create_model": {"session_id", "model_seq_id", "base_model", "user_metadata", "lora_config", "optimizer_config"},
+    "get_info": {"model_id"},
+    "optim_step": {"model_id", "seq_id", "adam_params", "optim_params", "optimizer_params"},
+    "save_weights": {"model_id", "path", "seq_id", "overwrite", "user_metadata"},
+    "save_weights_for_sampler": {"model_id", "path", "sampling_session_seq_id", "seq_id", "kind"},
+    "load_weights": {"model_id", "seq_id", "session_id", "model_seq_id", "base_model", "user_metadata", "path",
+                     "optimizer", "optimizer_config"},
+    "create_sampling_session": {"session_id", "sampling_session_seq_id", "base_model", "model_path"},
+    "asample": {"num_samples", "prompt", "sampling_params", "sampling_session_id", "seq_id", "prompt_logprobs",
+                "prompt_logprobs_last_n", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
+                "target_prompt_logprobs"},
+    "retrieve_future": {"request_id", "allow_metadata_only"},  # metadata-only is a permission, not a demand
+}
+# Why some of them are refused (the rest: "not supported by this server").
+_REFUSED_BECAUSE = {
+    "ttl_seconds": "checkpoints here never expire",
+    "weights_access_token": "checkpoints of other accounts are reached by publishing them",
+    "record_stability_info": ("the stability information StableReinforce reads is not published, and this server "
+                              "does not offer stable_reinforce (README, Tinker service)"),
+    "base_model": "sample through a sampling session (create_sampling_session names the model)",
+    "model_path": "sample through a sampling session (create_sampling_session names the checkpoint)",
+}
+
+
+def check_fields(what: str, body: dict) -> None:
+    """UserError naming the first field of ``body`` that request ``what`` does not honour and
+    that carries a value (see HONOURED)."""
+    honoured = HONOURED[what]
+    for key, value in body.items():
+        if key == "type" or key in honoured or value in (None, False, 0, "", [], {}):
+            continue
+        why = _REFUSED_BECAUSE.get(key, "it is not supported by this server")
+        raise UserError(f"{what}: field {key!r} is set ({str(value)[:60]!r}), but {why}")
+    kind = body.get("kind")
+    if what == "save_weights_for_sampler" and kind not in (None, "snapshot"):
+        raise UserError(f"save_weights_for_sampler: kind={kind!r} is not supported by this server (only 'snapshot')")
+
+
 def field_of(body: dict, key: str, types, what: str, *, required: bool = True, default=None):
     """body[key] checked against ``types`` (a bool is not an int here)."""
     if key not in body or body[key] is None:

@@ -24,7 +24,9 @@ from dsrl.serve.errors import UserError
 from dsrl.serve.executor import Executor, Op
 from dsrl.serve.futures import FutureStore, JsonReply, ProtoReply
 from dsrl.serve.objectives import ObjectiveTable
+from dsrl.serve.provenance import SampledSequences
 from dsrl.serve.requests import (
+    check_fields,
     check_optimizer_config,
     field_of,
     parse_adam,
@@ -59,9 +61,10 @@ class ServiceOptions:
     max_num_samples: int = 128
     max_request_bytes: int = 1 << 30
     max_json_bytes: int = 16 << 20
-    max_full_clients: int = 2
+    max_full_clients: int = 4
     max_pending_requests: int = 256
     max_future_bytes: int = 1 << 30
+    max_recorded_sequences: int = 100_000
     long_poll_seconds: float = 20.0
     custom_losses: Dict[str, str] = field(default_factory=dict)
     keep_sampler_snapshots: int = 2
@@ -96,6 +99,7 @@ class Service:
         self.executor = Executor(self._run_batch, max_batch_size=opts.max_merged_datums)
         self.sequencer = Sequencer(self.executor.put, max_pending=opts.max_pending_requests)
         self.sampler = sampler
+        self.sampled = SampledSequences(opts.max_recorded_sequences)  # what provenance spans may name
         self.sample_executor = Executor(self._run_samples, max_batch_size=64, name="sample") if sampler else None
         self.sessions: Dict[str, _Session] = {}
         self.models: Dict[str, Any] = {}  # model id -> FullModel | LoraSlot (compute thread writes)
@@ -119,6 +123,7 @@ class Service:
                 "sample_join_sampling_session": False}
 
     def create_session(self, body: dict, api_key: str = "") -> dict:
+        check_fields("create_session", body)
         sid = f"s-{uuid.uuid4().hex[:16]}"
         with self._lock:
             self.sessions[sid] = _Session(sid, owner_of(api_key))
@@ -136,6 +141,7 @@ class Service:
                 return
             s.finished = True
             models = list(s.models)
+        self.sampled.forget_session(session_id)
         for mid in models:
             for seq_id, op in self.sequencer.close(mid):  # arrived early; the gap before it never came
                 self.futures.fail(op.request_id, UserError(
@@ -172,6 +178,7 @@ class Service:
 
     def create_model(self, body: dict) -> dict:
         what = "create_model"
+        check_fields(what, body)
         session = self._session(body.get("session_id"), what)
         model_id, previous = self._register_model(session, body.get("model_seq_id"), what)
         if previous is not None:
@@ -207,6 +214,7 @@ class Service:
         return {"request_id": rid, "model_id": model_id}
 
     def get_info(self, body: dict) -> dict:
+        check_fields("get_info", body)
         model_id = field_of(body, "model_id", str, "get_info")
         meta = self.model_meta.get(model_id)
         if meta is None:
@@ -272,6 +280,8 @@ class Service:
         def make(rid):
             if call.error is not None:
                 raise call.error
+            if any(d.spans for d in call.data):
+                self.sampled.check(call.data, call.model_id.split(":train:")[0])
             obj = self.objectives.resolve(call.loss_fn, call.loss_fn_config)
             model_key = None
             meta_group = ("lora",) if self.model_meta[call.model_id]["is_lora"] else ("full", call.model_id)
@@ -285,6 +295,7 @@ class Service:
         model_id = body.get("model_id")
 
         def make(rid):
+            check_fields("optim_step", body)
             params = parse_adam(body)
             key = ("optim", "lora") if self.model_meta[model_id]["is_lora"] else None
             return Op("optim", model_id, rid, payload=params, merge_key=key, merges_within_lane=False)
@@ -294,6 +305,7 @@ class Service:
         model_id = body.get("model_id")
 
         def make(rid):
+            check_fields("save_weights", body)
             name = check_name(field_of(body, "path", str, "save_weights"), "save_weights: path")
             return Op("save_state", model_id, rid, payload=(name, bool(body.get("overwrite", False)),
                                                             body.get("user_metadata")))
@@ -304,6 +316,7 @@ class Service:
         what = "save_weights_for_sampler"
 
         def make(rid):
+            check_fields(what, body)
             name = body.get("path")
             if name is not None:
                 check_name(name, f"{what}: path")
@@ -317,6 +330,7 @@ class Service:
         owner = owner_of(api_key)
         optimizer = field_of(body, "optimizer", bool, what, required=False, default=False)
         if body.get("session_id") is not None:  # create-via-load: the new client's first request
+            check_fields(what, body)
             session = self._session(body.get("session_id"), what)
             model_id, previous = self._register_model(session, body.get("model_seq_id"), what)
             if previous is not None:
@@ -331,6 +345,7 @@ class Service:
         model_id = body.get("model_id")
 
         def make(rid):
+            check_fields(what, body)
             ckpt = self.store.resolve(field_of(body, "path", str, what), "weights", owner=owner)
             return Op("load_state", model_id, rid, payload=(ckpt, optimizer))
         return self._sequenced(model_id, body.get("seq_id"), what, self._checked(what, make))
@@ -338,6 +353,7 @@ class Service:
     # ================================================================== sampling (sync part)
     def create_sampling_session(self, body: dict, api_key: str = "") -> dict:
         what = "create_sampling_session"
+        check_fields(what, body)
         session = self._session(body.get("session_id"), what)
         n = field_of(body, "sampling_session_seq_id", int, what)
         sid = f"{session.session_id}:sample:{n}"
@@ -384,6 +400,7 @@ class Service:
         with self._lock:
             self._samples[(sid, seq_id)] = (rid, ids)
         try:
+            check_fields(what, body)
             if self.sampler is None:
                 raise UserError(f"{what}: sampling is disabled on this server (serve.sampling=false)")
             session = self.sampling_sessions.get(sid)
@@ -401,7 +418,8 @@ class Service:
             job = SampleJob(prompt=prompt, num_samples=n, prompt_logprobs=bool(body.get("prompt_logprobs") or False),
                             prompt_logprobs_last_n=last_n, **parse_sampling_params(body.get("sampling_params") or {}))
             self.sample_executor.put([Op("sample", rid, rid, payload=job, merge_key=("sample", session.folder),
-                                         size=n)])
+                                         size=n, extra={"session_id": sid.split(":sample:")[0],
+                                                        "sequence_ids": ids, "prompt": prompt})])
         except UserError as e:
             self.futures.fail(rid, e)
         return {"request_id": rid, "sample_sequence_ids": ids}
@@ -602,6 +620,8 @@ class Service:
                 self.futures.fail(op.request_id, e)
             return
         for op, (seqs, prompt_lps) in zip(batch, results):
+            self.sampled.record(op.extra["session_id"], op.extra["sequence_ids"], op.extra["prompt"],
+                                [seq.tokens for seq in seqs])
             self.futures.resolve(op.request_id, ProtoReply(wire.encode_sample_response(seqs, prompt_lps)))
 
     # ================================================================== lifecycle

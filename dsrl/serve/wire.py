@@ -4,7 +4,7 @@ results, must go back as ``ForwardBackwardOutput`` / ``SampleResponse`` protos (
 rejects JSON for those two types).
 
 The schema is declared here, in code, with only the messages and fields the server reads or
-writes (unknown fields such as provenance spans are skipped by the parser), in a private
+writes (a field of a newer SDK, unknown here, fails the request naming its number), in a private
 descriptor pool: the server needs neither ``protoc`` nor the ``tinker`` package, and the SDK's
 own ``tinker_public.proto`` can live in the same process without a name clash.
 
@@ -45,7 +45,15 @@ _MESSAGES: Dict[str, list] = {
                                ("forward_only", 6, "bool", False, None),
                                ("loss_fn_config_v2", 7, "map<string,LossConfigValue>", True, None)],
     "LossConfigValue": [("number", 1, "double", False, "value"), ("text", 2, "string", False, "value")],
-    "Datum": [("model_input", 1, "Chunk", True, None), ("loss_fn_inputs", 2, "map<string,Tensor>", True, None)],
+    "Datum": [("model_input", 1, "Chunk", True, None), ("loss_fn_inputs", 2, "map<string,Tensor>", True, None),
+              ("model_input_spans", 3, "ProvenanceSpan", True, None),
+              ("loss_fn_input_spans", 4, "ProvenanceSpan", True, None)],
+    "ProvenanceSpan": [("prompt_tokens", 1, "PromptProvenanceSpan", False, "span"),
+                       ("sampled_tokens", 2, "SampledProvenanceSpan", False, "span")],
+    "PromptProvenanceSpan": [("sequence_id", 1, "string", False, None), ("offset", 2, "int64", False, None),
+                             ("length", 3, "int64", False, None)],
+    "SampledProvenanceSpan": [("sequence_id", 1, "string", False, None), ("offset", 2, "int64", False, None),
+                              ("length", 3, "int64", False, None)],
     "Chunk": [("encoded_text", 1, "EncodedTextChunk", False, "chunk"), ("image", 2, "OpaqueChunk", False, "chunk"),
               ("dmel", 3, "OpaqueChunk", False, "chunk")],
     "EncodedTextChunk": [("tokens", 1, "bytes", False, None)],
@@ -130,12 +138,26 @@ _DTYPE_NAMES = {DTYPE_UNSPECIFIED: "unspecified", DTYPE_FLOAT32: "float32", DTYP
 
 
 # ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Span:
+    """One provenance claim: ``length`` positions of a datum field are positions
+    ``[offset, offset + length)`` of sequence ``sequence_id``'s prompt (``sampled`` False) or
+    sampled tokens (True)."""
+
+    sampled: bool
+    sequence_id: str
+    offset: int
+    length: int
+
+
 @dataclass
 class WireDatum:
-    """A decoded datum: N token ids and the per-token loss inputs (torch, CPU)."""
+    """A decoded datum: N token ids and the per-token loss inputs (torch, CPU); its provenance
+    spans, when it came with them, tiling model_input and target_tokens (field name -> spans)."""
 
     model_input: torch.Tensor
     loss_fn_inputs: Dict[str, torch.Tensor] = field(default_factory=dict)
+    spans: Dict[str, List[Span]] = field(default_factory=dict)
 
 
 @dataclass
@@ -221,7 +243,49 @@ def _decode_datum(d, i: int, max_tokens: int) -> WireDatum:
         raise UserError(f"datum {i}: model_input has {ids.size} tokens, more than serve.max_datum_tokens={max_tokens}")
     inputs = {key: _decode_tensor(t, f"datum {i}: loss_fn_inputs[{key!r}]", max_tokens)
               for key, t in d.loss_fn_inputs.items()}
-    return WireDatum(model_input=torch.from_numpy(ids.astype(np.int64)), loss_fn_inputs=inputs)
+    spans = _decode_spans(d, i, ids.size, inputs)
+    return WireDatum(model_input=torch.from_numpy(ids.astype(np.int64)), loss_fn_inputs=inputs, spans=spans)
+
+
+def _decode_spans(d, i: int, n_tokens: int, inputs: Dict[str, torch.Tensor]) -> Dict[str, List[Span]]:
+    """The datum's provenance spans, checked for form: both lists or neither, each span one arm
+    with a non-empty sequence_id and offset, length >= 0, each list tiling its field exactly."""
+    given = {"model_input_spans": list(d.model_input_spans), "loss_fn_input_spans": list(d.loss_fn_input_spans)}
+    if not any(given.values()):
+        return {}
+    if not all(given.values()):
+        missing = [k for k, v in given.items() if not v][0]
+        raise UserError(f"datum {i}: provenance comes as a pair, {missing} is missing")
+    if "target_tokens" not in inputs:
+        raise UserError(f"datum {i}: loss_fn_input_spans tile loss_fn_inputs['target_tokens'], which is missing")
+    sizes = {"model_input_spans": n_tokens, "loss_fn_input_spans": int(inputs["target_tokens"].numel())}
+    out = {}
+    for name, raw in given.items():
+        spans = []
+        for j, sp in enumerate(raw):
+            arm = sp.WhichOneof("span")
+            if arm is None:
+                raise UserError(f"datum {i}: {name}[{j}] is neither a prompt nor a sampled span")
+            a = getattr(sp, arm)
+            if not a.sequence_id or a.offset < 0 or a.length < 0:
+                raise UserError(f"datum {i}: {name}[{j}] needs a sequence_id and offset, length >= 0 "
+                                f"(got {a.sequence_id!r}, {a.offset}, {a.length})")
+            spans.append(Span(arm == "sampled_tokens", a.sequence_id, int(a.offset), int(a.length)))
+        total = sum(sp.length for sp in spans)
+        if total != sizes[name]:
+            field_name = "model_input" if name == "model_input_spans" else "loss_fn_inputs['target_tokens']"
+            raise UserError(f"datum {i}: {name} cover {total} positions, {field_name} has {sizes[name]}")
+        out[name] = spans
+    return out
+
+
+def _unknown_field(msg) -> Optional[int]:
+    """The number of a field this schema does not know (a newer SDK's), if ``msg`` holds one."""
+    from google.protobuf import unknown_fields
+
+    for f in unknown_fields.UnknownFieldSet(msg):
+        return int(f.field_number)
+    return None
 
 
 def _decode_config(msg) -> Dict[str, object]:
@@ -250,6 +314,15 @@ def decode_forward_backward(body: bytes, *, max_datums: int, max_tokens: int) ->
     call = ForwardBackwardCall(model_id=msg.model_id, seq_id=int(msg.seq_id), loss_fn=msg.loss_fn,
                                loss_fn_config=_decode_config(msg), forward_only=bool(msg.forward_only), data=[])
     try:
+        unknown = _unknown_field(msg)
+        if unknown is not None:
+            raise UserError(f"forward_backward: the request sets field number {unknown}, which this server does not "
+                            "know (a newer SDK than 0.38?); it is not run without it")
+        for i, d in enumerate(msg.data):
+            unknown = _unknown_field(d)
+            if unknown is not None:
+                raise UserError(f"datum {i}: sets field number {unknown}, which this server does not know "
+                                "(a newer SDK than 0.38?)")
         if len(msg.data) > max_datums:
             raise UserError(f"forward_backward: {len(msg.data)} datums in one request, more than "
                             f"serve.max_chunk_datums={max_datums} (the SDK's fwdbwd_max_chunk_len)")

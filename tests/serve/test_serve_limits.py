@@ -12,6 +12,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+import torch
 from serve_helpers import KEY, MODEL_NAME, datum, service_client, start_server
 
 from dsrl.serve.errors import UserError
@@ -261,3 +262,104 @@ def test_another_keys_checkpoint_loads_only_once_published(two_key_server):
     finally:
         mine.close("success").result()
         theirs.close("success").result()
+
+
+# ------------------------------------------------------------------------------ what is not served
+def test_a_field_the_server_does_not_honour_is_refused_by_name():
+    from dsrl.serve.requests import check_fields
+
+    check_fields("save_weights", {"model_id": "m", "path": "p", "seq_id": 1, "ttl_seconds": None, "type": "save_weights"})
+    with pytest.raises(UserError, match=r"save_weights: field 'ttl_seconds' is set \('3600'\), but checkpoints here "
+                                        r"never expire"):
+        check_fields("save_weights", {"model_id": "m", "path": "p", "ttl_seconds": 3600})
+    with pytest.raises(UserError, match="asample: field 'record_stability_info' is set .* stable_reinforce"):
+        check_fields("asample", {"prompt": {}, "record_stability_info": True})
+    with pytest.raises(UserError, match="create_model: field 'shiny_new_knob' is set .* not supported by this server"):
+        check_fields("create_model", {"session_id": "s", "shiny_new_knob": 1})
+    with pytest.raises(UserError, match=r"kind='live' is not supported by this server \(only 'snapshot'\)"):
+        check_fields("save_weights_for_sampler", {"model_id": "m", "kind": "live"})
+
+
+def test_a_proto_field_of_a_newer_sdk_fails_the_request_naming_its_number():
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    from dsrl.serve import wire
+
+    d = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                    loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]})
+    req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=[d], loss_fn="cross_entropy"),
+                                       model_id="s-x:train:0", seq_id=1)
+    body = forward_backward_request_to_proto(req).SerializeToString()
+    assert wire.decode_forward_backward(body, max_datums=8, max_tokens=64).error is None
+    newer = body + bytes([(15 << 3) | 0, 1])  # field 15 (unknown to SDK 0.38), varint 1
+    call = wire.decode_forward_backward(newer, max_datums=8, max_tokens=64)
+    assert "the request sets field number 15, which this server does not know" in str(call.error)
+
+
+def test_provenance_spans_are_decoded_and_their_tiling_checked():
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    from dsrl.serve import wire
+
+    P, S = types.PromptProvenanceSpan, types.SampledProvenanceSpan
+    d = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                    loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]})
+    d = d.with_provenance(model_input=[P(sequence_id="a", length=2), S(sequence_id="a", length=1)],
+                          loss_fn_inputs=[P(sequence_id="a", offset=1, length=1), S(sequence_id="a", length=2)])
+
+    def decode(datum):
+        req = types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
+            model_id="s-x:train:0", seq_id=1)
+        return wire.decode_forward_backward(forward_backward_request_to_proto(req).SerializeToString(),
+                                            max_datums=8, max_tokens=64)
+    call = decode(d)
+    assert call.error is None
+    assert call.data[0].spans == {
+        "model_input_spans": [wire.Span(False, "a", 0, 2), wire.Span(True, "a", 0, 1)],
+        "loss_fn_input_spans": [wire.Span(False, "a", 1, 1), wire.Span(True, "a", 0, 2)]}
+    import dataclasses
+
+    short = dataclasses.replace(d, model_input_spans=[P(sequence_id="a", length=2)])  # past the SDK's own check
+    assert "datum 0: model_input_spans cover 2 positions, model_input has 3" in str(decode(short).error)
+    half = dataclasses.replace(d, loss_fn_input_spans=[])
+    assert "datum 0: provenance comes as a pair, loss_fn_input_spans is missing" in str(decode(half).error)
+
+
+def test_sampled_sequences_keep_the_last_ones_and_forget_a_finished_session():
+    from dsrl.serve.provenance import SampledSequences
+
+    seqs = SampledSequences(keep=3)
+    seqs.record("s1", ["a", "b"], [1, 2], [[3], [4]])
+    seqs.record("s2", ["c", "d"], [1, 2], [[5], [6]])
+    assert len(seqs) == 3  # "a" dropped
+    from dsrl.serve.wire import Span, WireDatum
+
+    d = WireDatum(model_input=torch.tensor([1, 2]), loss_fn_inputs={"target_tokens": torch.tensor([2, 4])},
+                  spans={"model_input_spans": [Span(False, "b", 0, 2)],
+                         "loss_fn_input_spans": [Span(False, "b", 1, 1), Span(True, "b", 0, 1)]})
+    seqs.check([d], "s1")
+    with pytest.raises(UserError, match="sampled in another session"):
+        seqs.check([d], "s2")
+    seqs.forget_session("s1")
+    with pytest.raises(UserError, match="names sequence_id 'b', which this server did not sample or no longer keeps"):
+        seqs.check([d], "s1")
+
+
+def test_an_endpoint_the_server_does_not_serve_is_404_naming_it(server):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = http.post("/api/v1/create_custom_loss", json={}, headers={"X-API-Key": KEY})
+        assert r.status_code == 404
+        assert r.json()["error"].startswith("POST /api/v1/create_custom_loss: this endpoint is not served")
+        assert http.get("/api/v1/healthz", headers={"X-API-Key": KEY}).json() == {"status": "ok"}
+
+
+def test_the_sdk_sees_a_refused_field_as_a_failed_request_and_the_client_goes_on(sc):
+    import tinker
+
+    client = sc.create_lora_training_client(MODEL_NAME, rank=2).result()
+    with pytest.raises(tinker.RequestFailedError, match="field 'ttl_seconds' is set .* checkpoints here never expire"):
+        client.save_state("ttl", ttl_seconds=60).result()
+    assert client.save_state("no-ttl").result().path.endswith("/weights/no-ttl")  # its seq_id was consumed

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from serve_helpers import MODEL_NAME, datum, logprobs, start_server
+from serve_helpers import MODEL_NAME, datum, logprobs, service_client, start_server
 
 pytestmark = pytest.mark.slow  # vLLM engine start (~30-60 s on a shared 2-core machine)
 
@@ -146,3 +146,50 @@ def test_a_billion_samples_is_refused_at_once_and_the_server_serves_on(sc):
         base.sample(prompt, 10 ** 9, types.SamplingParams(max_tokens=2, temperature=0.0)).result()
     assert time.monotonic() - t0 < 30
     assert len(base.sample(prompt, 2, types.SamplingParams(max_tokens=2)).result().sequences) == 2
+
+
+def test_provenance_spans_are_checked_against_what_was_sampled(sc, server):
+    """A datum built from a sample with its provenance (prompt span + sampled span, the way the
+    SDK's Datum.with_provenance takes them) trains; the same claim on a changed token, an unknown
+    sequence, a run past the sequence, or a sequence of another session fails that request
+    naming the datum and span; the client trains on."""
+    import tinker
+
+    types = _types()
+    tc = sc.create_lora_training_client(MODEL_NAME, rank=4, seed=4).result()
+    smp = tc.save_weights_and_get_sampling_client().result()
+    prompt = [1, 410, 420, 430]
+    seq = smp.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=5, temperature=1.0)) \
+        .result().sequences[0]
+    sid, toks = seq.sequence_id, list(seq.tokens)
+    P, S = types.PromptProvenanceSpan, types.SampledProvenanceSpan
+
+    def claim(tokens=None, target_span=None, input_spans=None):
+        tokens = list(tokens or prompt + toks[:-1])
+        d = datum(tokens, target_tokens=prompt[1:] + toks, weights=[0.0] * 3 + [1.0] * 5)
+        return d.with_provenance(
+            model_input=input_spans or [P(sequence_id=sid, length=4), S(sequence_id=sid, length=4)],
+            loss_fn_inputs=target_span or [P(sequence_id=sid, offset=1, length=3), S(sequence_id=sid, length=5)])
+
+    assert np.isfinite(tc.forward_backward([claim()], "cross_entropy").result().metrics["loss:sum"])
+    changed = prompt + toks[:-1]
+    changed[5] = (changed[5] + 1) % 1000 + 3
+    with pytest.raises(tinker.RequestFailedError, match=rf"datum 0: model_input_spans\[1\]: position 5 holds token "
+                                                        rf"{changed[5]}, but sampled token 1 of '{sid}' is {toks[1]}"):
+        tc.forward_backward([claim(tokens=changed)], "cross_entropy").result()
+    with pytest.raises(tinker.RequestFailedError, match=r"datum 1: loss_fn_input_spans\[0\] names sequence_id "
+                                                        r"'nope', which this server did not sample"):
+        tc.forward_backward([claim(), claim(target_span=[P(sequence_id="nope", length=3),
+                                                         S(sequence_id=sid, length=5)])], "cross_entropy").result()
+    with pytest.raises(tinker.RequestFailedError, match=r"prompt tokens \[2, 5\) of .* run past its 4 prompt tokens"):
+        tc.forward_backward([claim(target_span=[P(sequence_id=sid, offset=2, length=3),
+                                                S(sequence_id=sid, length=5)])], "cross_entropy").result()
+    other = service_client(server.url)
+    try:
+        foreign = other.create_lora_training_client(MODEL_NAME, rank=4, seed=4).result()
+        with pytest.raises(tinker.RequestFailedError, match=rf"names sequence_id '{sid}', sampled in another session"):
+            foreign.forward_backward([claim()], "cross_entropy").result()
+    finally:
+        other.close("success").result()
+    assert np.isfinite(tc.forward_backward([claim()], "cross_entropy").result().metrics["loss:sum"])
+

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow  # one server + several DeepSpeed engines: ~40 s i
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
-    srv = start_server(tiny_model_path, tmp_path_factory.mktemp("serve_store"), max_chunk_datums=2)
+    srv = start_server(tiny_model_path, tmp_path_factory.mktemp("serve_store"), max_chunk_datums=2,
+                       max_full_clients=16)  # one per test, never released: the tiny model's engines are small
     yield srv
     srv.stop()
 
