@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 
 PEFT_PREFIX = "base_model.model."  # PEFT's prefix of the wrapped model's parameter names
 ADAPTER = "default"  # the one adapter's name inside the PeftModel
@@ -25,6 +25,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 VLLM_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's allowed max_lora_rank values
 UNSUPPORTED_TARGETS = ("lm_head", "embed_tokens")  # not adaptable by vLLM's LoRA (and the head is tied)
 _LORA_PARAM = re.compile(r"^(.*)\.lora_([AB])\." + ADAPTER + r"\.weight$")
+_SAVED_LORA = re.compile(r"^(.*)\.lora_([AB])\.weight$")  # PEFT's saved names (no adapter name)
 
 
 def lora_enabled(lora_cfg) -> bool:
@@ -145,10 +146,37 @@ def merge_group(tensors: Iterable[Tuple[str, torch.Tensor]], scale: float) -> Li
             continue
         module = name[:-len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
         if module is not None and module in parts:
-            ab = parts[module]
-            delta = ab["B"].float() @ ab["A"].float()
-            t = (t.float() + scale * delta).to(t.dtype)
+            t = merged_weight(t, parts[module]["A"], parts[module]["B"], scale)
         out.append((hf_name(name), t))
+    return out
+
+
+def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale * B @ A, computed in float32 on W's device and cast back to W's dtype: the one
+    LoRA merge (the actor's layer groups, the service's pool and its sampler)."""
+    import torch
+
+    delta = b.to(w.device, torch.float32) @ a.to(w.device, torch.float32)
+    return (w.float() + scale * delta).to(w.dtype)
+
+
+def merge_adapter(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor],
+                  scale: float) -> Dict[str, torch.Tensor]:
+    """HF-named full weights: ``base`` (HF names) with each module that ``adapter`` (PEFT's saved
+    names, "base_model.model.<module>.lora_A.weight") adapts replaced by its merged weight.
+    KeyError naming the module if the base has no weight for it."""
+    parts: Dict[str, dict] = {}
+    for name, t in adapter.items():
+        m = _SAVED_LORA.match(name)
+        if m is None:
+            raise ValueError(f"adapter tensor {name!r} is not a PEFT lora_A / lora_B weight")
+        parts.setdefault(hf_name(m.group(1)), {})[m.group(2)] = t
+    out = dict(base)
+    for module, ab in parts.items():
+        key = module + ".weight"
+        if key not in out:
+            raise KeyError(f"the adapter adapts {module!r}, which the base weights do not have")
+        out[key] = merged_weight(out[key], ab["A"], ab["B"], scale)
     return out
 
 

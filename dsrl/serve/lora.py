@@ -30,7 +30,7 @@ from dsrl.actor.device import to_device
 from dsrl.actor.logprobs import token_logprobs
 from dsrl.actor.work_units import AdamParams, TrainingSession
 from dsrl.loss.types import LossInputs, LossOutput, Reduction
-from dsrl.serve.export import write_hf_folder
+from dsrl.actor.lora import merge_adapter, write_adapter
 
 ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "adapter_optimizer.pt"
@@ -249,21 +249,26 @@ class LoraPool:
                     self.optimizer.state[p] = {sk: (sv.clone() if torch.is_tensor(sv) else sv)
                                                for sk, sv in state[k].items()}
 
-    def merged_state(self, name: str) -> Dict[str, torch.Tensor]:
-        """Base weights + this slot's LoRA deltas, HF names (head included)."""
-        from peft.tuners.lora import LoraLayer
+    def adapter_state(self, name: str) -> Dict[str, torch.Tensor]:
+        """Slot ``name``'s adapter on the host, in PEFT's saved names."""
+        return {k: p.detach().to("cpu").contiguous() for k, p in self._params[name].items()}
 
-        state = {k: v.clone() for k, v in self._base_state.items()}
-        prefix = "base_model.model."
-        with torch.no_grad():
-            for mod_name, mod in self.peft.named_modules():
-                if isinstance(mod, LoraLayer) and name in mod.lora_A:
-                    key = (mod_name[len(prefix):] if mod_name.startswith(prefix) else mod_name) + ".weight"
-                    state[key] = state[key] + mod.get_delta_weight(name).to(state[key].device, state[key].dtype)
-        return state
+    def adapter_config(self, name: str) -> dict:
+        """Slot ``name``'s adapter_config.json (PEFT's; base_model_name_or_path: the base folder)."""
+        cfg = self.peft.peft_config[name].to_dict()
+        cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+        cfg["base_model_name_or_path"] = self.model_path
+        return cfg
+
+    def merged_state(self, name: str) -> Dict[str, torch.Tensor]:
+        """Base weights + this slot's LoRA deltas, HF names (head included), on the host."""
+        spec = self.slots[name]
+        return merge_adapter(self._base_state, self.adapter_state(name), float(spec.alpha) / float(spec.rank))
 
     def export_sampler(self, name: str, folder: Path) -> None:
-        write_hf_folder(folder, self.merged_state(name), self.hf_config)
+        """The adapter alone, as a PEFT folder (adapter_model.safetensors + adapter_config.json):
+        what ``PeftModel.from_pretrained(base, folder)`` loads and the sampler merges in memory."""
+        write_adapter(str(folder), self.adapter_state(name), self.adapter_config(name))
 
 
 def _pool_device(device) -> torch.device:

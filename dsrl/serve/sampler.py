@@ -2,9 +2,10 @@
 asample with prompt log-probs and one new token).
 
 One vLLM engine (its core in its own process) serves every sampling session; a session names a
-sampler checkpoint (an HF folder written by save_weights_for_sampler) or the base model. Before
-generating, the engine's weights are swapped in place when the session's folder differs from
-the loaded one (`reload_weights`; a few ms for a small model). Requests run on one sampling
+sampler checkpoint (written by save_weights_for_sampler: an HF folder of a full-parameter
+client, a PEFT adapter folder of a LoRA client) or the base model. Before generating, the
+engine's weights are swapped in place when the session's folder differs from the loaded one
+(`reload_weights` from the files; an adapter merged into the base here and pushed). Requests run on one sampling
 thread; queued requests that sample from the same weights become one ``generate`` call.
 
 Returned per sequence: token ids (a matched stop token included, STOP; else LENGTH) and the
@@ -82,13 +83,19 @@ class VllmSampler:
                                  enforce_eager=enforce_eager)
         self.max_model_len = int(max_model_len)
         self.loaded = self.base_folder
+        self._base_state = None  # the base folder's tensors, read with the first adapter (use_weights)
         from transformers import AutoTokenizer
 
         self.eos_id = AutoTokenizer.from_pretrained(tokenizer_dir).eos_token_id
         log.info("serve: vLLM sampler ready in %.1f s", time.time() - t0)
 
     def use_weights(self, folder: Optional[str]) -> None:
-        """Swap the engine's weights to ``folder`` (None = the base model) unless already loaded."""
+        """Swap the engine's weights to ``folder`` (None = the base model) unless already loaded.
+        A full HF folder is reloaded from its files; a LoRA client's adapter folder (PEFT's
+        adapter_config.json + adapter_model.safetensors) is merged into the base weights here and
+        pushed through shared memory (vLLM's own LoRA cannot adapt the head, which Tinker's LoRA
+        trains by default)."""
+        from dsrl.actor.lora import ADAPTER_CONFIG
         from dsrl.rollout.vllm_worker import reload_and_retie
 
         target = self.base_folder if folder is None else str(folder)
@@ -97,9 +104,28 @@ class VllmSampler:
         if not Path(target).is_dir():
             raise UserError(f"sampler weights {target} are gone (ephemeral snapshots are pruned; "
                             f"call save_weights_and_get_sampling_client again)")
-        self.worker.llm.collective_rpc(reload_and_retie, args=(target,))
+        if (Path(target) / ADAPTER_CONFIG).is_file():
+            self.worker.push_weights(self._merged(Path(target)), step=0)
+        else:
+            self.worker.llm.collective_rpc(reload_and_retie, args=(target,))
         self.worker.llm.reset_prefix_cache()  # cached prefix KV belongs to the old weights
         self.loaded = target
+
+    def _merged(self, folder: Path) -> dict:
+        """The base weights (read once, kept) with the adapter in ``folder`` merged in."""
+        import json
+
+        from safetensors.torch import load_file
+
+        from dsrl.actor.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, merge_adapter
+
+        if self._base_state is None:
+            self._base_state = {}
+            for f in sorted(Path(self.base_folder).glob("*.safetensors")):
+                self._base_state.update(load_file(str(f)))
+        cfg = json.loads((folder / ADAPTER_CONFIG).read_text())
+        scale = float(cfg["lora_alpha"]) / float(cfg["r"])
+        return merge_adapter(self._base_state, load_file(str(folder / ADAPTER_WEIGHTS)), scale)
 
     def _params(self, job: SampleJob):
         from vllm import SamplingParams

@@ -1,7 +1,8 @@
 """Sampling through vLLM behind the SDK's SamplingClient (one engine for the module, its core in
 its own process): sampled log-probs and prompt log-probs equal the trainer's log-probs of the
 same tokens, every snapshot samples with its own weights (the latest after a step, the old one
-still the old), named sampler checkpoints load in transformers and in a new sampling client,
+still the old), a LoRA client's named sampler checkpoint is its adapter (PEFT loads it over the
+base in transformers; a new sampling client samples from it),
 stop tokens end a sequence (included, STOP), and an RL loop (sampling + importance_sampling)
 raises the reward."""
 from __future__ import annotations
@@ -67,6 +68,8 @@ def test_sampled_and_prompt_logprobs_match_training_and_snapshots_keep_their_wei
 
 
 def test_named_sampler_checkpoint_loads_in_transformers_and_a_new_client(sc, server, tmp_path):
+    from pathlib import Path
+
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -80,7 +83,16 @@ def test_named_sampler_checkpoint_loads_in_transformers_and_a_new_client(sc, ser
     path = tc.save_weights_for_sampler("final").result().path
     assert path.endswith("/sampler_weights/final")
     folder = server.service.store.resolve(path).folder
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    # A LoRA client's sampler checkpoint is its adapter alone (PEFT's layout), not a merged model.
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                        "tinker.json"]
+    adapter_bytes = sum(p.stat().st_size for p in folder.iterdir())
+    base_bytes = sum(p.stat().st_size for p in Path(server.service.opts.model_path).glob("*.safetensors"))
+    assert adapter_bytes < base_bytes / 5
+    from peft import PeftModel
+
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(server.service.opts.model_path,
+                                                                        dtype=torch.float32), str(folder))
     with torch.no_grad():
         lsm = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].double(), -1)
     hf_lp = lsm.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()

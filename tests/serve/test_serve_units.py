@@ -417,8 +417,10 @@ def test_finish_session_answers_requests_waiting_for_a_seq_id_that_never_came():
 
     put = []
     futures = FutureStore()
+    from dsrl.serve.provenance import SampledSequences
+
     fake = SimpleNamespace(_lock=threading.Lock(), sessions={"s-1": _Session("s-1", owner="k", models=["s-1:train:0"])},
-                           futures=futures, executor=SimpleNamespace(put=put.extend))
+                           futures=futures, executor=SimpleNamespace(put=put.extend), sampled=SampledSequences(4))
     fake.sequencer = Sequencer(put.extend)
     fake.sequencer.open("s-1:train:0")
     r1, _ = fake.sequencer.submit("s-1:train:0", 1, futures.create, lambda rid: SimpleNamespace(request_id=rid))
