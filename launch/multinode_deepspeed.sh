@@ -8,11 +8,14 @@
 #   launch/multinode_deepspeed.sh launch/hostfile +exp=grpo_reuse actor.zero_stage=3
 # --no-ssh: no ssh at all; run the same command on every node of HOSTFILE with NODE_RANK set to
 # that node's line in HOSTFILE (0 = the first). It runs DeepSpeed's per-node launcher
-# (deepspeed.launcher.launch, what `deepspeed --no_ssh --node_rank N` starts) in this process, so
-# a SIGTERM/SIGINT to it (or to the node's process group: Ctrl-C, a batch system's job signal)
-# reaches the ranks, which finish the step, write a checkpoint and exit, and it returns when they
-# are done (`deepspeed --no_ssh` itself exits on the signal at once, leaving them running).
-# DeepSpeed's launcher SIGKILLs ranks still running 30 s after it passed a signal on. The first host
+# (deepspeed.launcher.launch, what `deepspeed --no_ssh --node_rank N` starts) in a session of its
+# own and waits for it; a SIGTERM/SIGINT to this script (or to its process group: Ctrl-C, kill -TERM
+# -- -PGID) goes to the rank processes alone, which finish the step, write a checkpoint, stop their
+# engines and exit (a stop flag on any rank stops all ranks on all nodes after the same step); the
+# script returns when they are done. (`deepspeed --no_ssh` itself exits on a signal at once, leaving
+# the ranks running; DeepSpeed's launcher passes a signal on to every process under a rank, vLLM's
+# engine processes included, which then die before the checkpoint.) A batch system that signals
+# every process of the job (SLURM's scancel) reaches the engines too. The first host
 # must be an address every node reaches (MASTER_ADDR); the arguments must be the same on every
 # node. Without RUN_DIR the run folder is rank 0's default (outputs/<date>/<time>-<name> under the
 # checkout; dsrl/distributed/run_dir.py), as every node would compute its own date.
@@ -63,8 +66,20 @@ if [ "$NO_SSH" = 1 ]; then
   WORLD_INFO=$($PY -c 'import sys
 from deepspeed.launcher.runner import encode_world_info, fetch_hostfile
 print(encode_world_info({h: list(range(n)) for h, n in fetch_hostfile(sys.argv[1]).items()}))' "$HOSTFILE" 2>/dev/null)
-  exec $PY -u -m deepspeed.launcher.launch --world_info="$WORLD_INFO" --node_rank="$NODE_RANK" \
-    --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --module dsrl.main ${RUN_ARGS[@]+"${RUN_ARGS[@]}"} "$@"
+  # The launcher in a session of its own: a signal to this script's process group (Ctrl-C, kill
+  # -TERM -- -PGID) reaches this script alone, which passes it on to the ranks and to nothing else,
+  # neither their engine processes (which the rank stops after its checkpoint) nor DeepSpeed's
+  # launcher (which would pass it on to every process under each rank).
+  setsid $PY -u -m deepspeed.launcher.launch --world_info="$WORLD_INFO" --node_rank="$NODE_RANK" \
+    --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --module dsrl.main ${RUN_ARGS[@]+"${RUN_ARGS[@]}"} "$@" &
+  LAUNCHER=$!
+  trap 'pkill -TERM -P "$LAUNCHER" || true' TERM
+  trap 'pkill -INT -P "$LAUNCHER" || true' INT
+  while :; do
+    RC=0; wait "$LAUNCHER" || RC=$?
+    kill -0 "$LAUNCHER" 2>/dev/null || break  # wait returned for a signal: the launcher still runs
+  done
+  exit "$RC"
 fi
 RUN_DIR="${RUN_DIR:-$ROOT/outputs/multinode-$(date +%Y%m%d-%H%M%S)}"
 echo "trainer ranks on: $(echo "$HOSTS" | tr '\n' ' ')| master $MASTER_ADDR:$MASTER_PORT | run dir $RUN_DIR"
