@@ -21,6 +21,7 @@ from typing import Iterable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from dsrl.serve.errors import UserError
 from dsrl.serve.futures import ProtoReply
@@ -90,6 +91,12 @@ def build_app(service: Service, api_keys: Iterable[str]) -> FastAPI:
     @app.exception_handler(UserError)
     async def user_error(request: Request, exc: UserError):
         return _user_error(str(exc))
+
+    @app.exception_handler(ClientDisconnect)
+    async def disconnected(request: Request, exc: ClientDisconnect):
+        """The client went away while its body streamed in: nobody to answer, nothing ran."""
+        log.info("serve: %s: the client disconnected before its request arrived whole", request.url.path)
+        return Response(status_code=400)
 
     @app.exception_handler(KeyError)
     async def not_found(request: Request, exc: KeyError):

@@ -23,6 +23,49 @@ def start_server(model_path, checkpoint_dir, **overrides):
     return ServerThread(build_service(ServiceOptions(**opts)), [KEY]).start()
 
 
+def start_server_process(tmp_path, model_path, key, *overrides):
+    """``python -m dsrl.serve`` as a user starts it (fp32, no sampler), on a free port; returns
+    (process, url) once /healthz answers, its output going to ``tmp_path/server.log``
+    (`server_log`). The caller terminates the process."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from dsrl.distributed.ports import free_port
+    from dsrl.testing import subprocess_env
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    port = free_port()
+    cmd = [sys.executable, "-m", "dsrl.serve", "+exp=tinker_service", f"model.path={model_path}",
+           "model.dtype=float32", "serve.sampling=false", f"serve.port={port}", "serve.model_name=tiny",
+           f"serve.api_keys=[{key}]", f"hydra.run.dir={tmp_path}", *overrides]
+    log = open(os.path.join(str(tmp_path), "server.log"), "w")  # a pipe nobody reads would block its logging
+    proc = subprocess.Popen(cmd, cwd=root, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {server_log(tmp_path)[-3000:]}")
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", headers={"X-API-Key": key}).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("the server did not start within 120 s")
+        time.sleep(0.5)
+
+
+def server_log(tmp_path) -> str:
+    """What a `start_server_process` server printed so far."""
+    with open(os.path.join(str(tmp_path), "server.log")) as f:
+        return f.read()
+
+
 def service_client(url, key=KEY):
     import tinker
 

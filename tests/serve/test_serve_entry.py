@@ -5,12 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
+from serve_helpers import start_server_process
 
-from dsrl.distributed.ports import free_port
 from dsrl.testing import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,24 +26,8 @@ def test_config_errors_name_every_key(tmp_path):
 
 @pytest.mark.slow
 def test_server_process_answers_the_sdk(tmp_path, tiny_model_path):
-    port = free_port()
-    cmd = [sys.executable, "-m", "dsrl.serve", "+exp=tinker_service", f"model.path={tiny_model_path}",
-           "model.dtype=float32", "serve.sampling=false", f"serve.port={port}", "serve.model_name=tiny",
-           "serve.api_keys=[tml-entry-test]", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc, url = start_server_process(tmp_path, tiny_model_path, "tml-entry-test")
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            try:
-                if httpx.get(f"{url}/api/v1/healthz", headers={"X-API-Key": "tml-entry-test"}).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
         import tinker
         from tinker import types
 
