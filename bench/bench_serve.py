@@ -5,6 +5,10 @@
    (`TrainingSession` on an `ActorEngine`): ratio = SDK / in-process (1.0 = no overhead).
 2. An optimizer step for K LoRA slots: one merged step (`LoraPool.step` with K slots, each
    clipped on its own) against K single-slot steps, for K = 1, 2, 4 (ratio = K single / merged).
+3. K LoRA clients of the SDK training at once (their forward_backward requests merge into one
+   forward, their optim_steps into one step) against the same K clients served one at a time
+   (each round of each client waits for the previous one), for K = 2, 4, 8 (ratio = one at a
+   time / at once).
 
 Both measured in one run, same process, same model, same data; median of --reps timed runs after
 one warm-up, the variants timed in alternation. The service runs in a thread of this process
@@ -123,6 +127,51 @@ def bench_slots(model_path, args):
     return out
 
 
+def _round(client, data, adam) -> None:
+    client.forward_backward(data, "cross_entropy").result()
+    client.optim_step(adam).result()
+
+
+def bench_clients(model_path, args):
+    """Seconds of one round (forward_backward + optim_step) of K SDK LoRA clients, sent at once
+    (futures first, results after) and one client after another."""
+    import tinker
+    from tinker import types
+
+    from dsrl.serve.server import ServerThread, build_service
+    from dsrl.serve.service import ServiceOptions
+
+    raw = _data(args.datums, args.tokens, args.vocab, seed=1)
+    data = [types.Datum(model_input=types.ModelInput.from_ints(t), loss_fn_inputs={"target_tokens": y, "weights": w})
+            for t, y, w in raw]
+    adam = types.AdamParams(learning_rate=1e-5)
+    out = {}
+    for k in (2, 4, 8):
+        opts = ServiceOptions(model_path=model_path, model_name="bench", dtype=args.dtype, allow_full_parameter=False,
+                              checkpoint_dir=tempfile.mkdtemp(prefix="bench_serve_"), micro_batch_size=args.micro_batch,
+                              max_merged_datums=max(256, k * args.datums))
+        srv = ServerThread(build_service(opts), ["tml-bench-key"]).start()
+        try:
+            sc = tinker.ServiceClient(base_url=srv.url, api_key="tml-bench-key")
+            clients = [sc.create_lora_training_client("bench", rank=args.rank, seed=i).result() for i in range(k)]
+
+            def at_once():
+                fbs = [c.forward_backward(data, "cross_entropy") for c in clients]
+                steps = [c.optim_step(adam) for c in clients]
+                for f in fbs + steps:
+                    f.result()
+
+            def one_at_a_time():
+                for c in clients:
+                    _round(c, data, adam)
+            t_once, t_seq = _interleaved([at_once, one_at_a_time], args.reps)
+            sc.close("success").result()
+        finally:
+            srv.stop()
+        out[k] = {"at_once_s": t_once, "one_at_a_time_s": t_seq, "one_at_a_time_over_at_once": t_seq / t_once}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny", help="tiny | smollm2 | an HF folder")
@@ -157,7 +206,13 @@ def main() -> None:
     for k, r in slots.items():
         print(f"  K={k}: merged {r['merged_s'] * 1e3:7.2f} ms | {k} single {r['k_single_s'] * 1e3:7.2f} ms | "
               f"ratio {r['k_single_over_merged']:.2f} ({r['adapter_params']} adapter params)")
-    print(json.dumps({"protocol": proto, "slots": slots}))
+    clients = bench_clients(model_path, args)
+    print(f"[bench-serve] K SDK LoRA clients, one round (forward_backward of {args.datums} x {args.tokens} + optim_step):"
+          f" all at once (merged) vs one at a time")
+    for k, r in clients.items():
+        print(f"  K={k}: at once {r['at_once_s'] * 1e3:8.1f} ms | one at a time {r['one_at_a_time_s'] * 1e3:8.1f} ms | "
+              f"ratio {r['one_at_a_time_over_at_once']:.2f}")
+    print(json.dumps({"protocol": proto, "slots": slots, "clients": clients}))
 
 
 if __name__ == "__main__":
