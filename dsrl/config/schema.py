@@ -448,6 +448,9 @@ class ServeConfig:
     max_recorded_sequences: int = 100000
     # Seconds retrieve_future holds a poll before answering try_again (below the SDK's 45 s timeout).
     long_poll_seconds: float = 20.0
+    # Seconds without a heartbeat after which a session is finished and its clients released (the
+    # SDK beats every 10 s; a client process that died holds its LoRA slots until then). 0: never.
+    session_timeout_s: float = 300.0
     # Server-side custom losses {loss_id: dotted.path.to.fn}, run by loss_fn="custom" with
     # loss_fn_config={"loss_id": ...} (fn(LossInputs) -> LossOutput or a scalar loss).
     custom_losses: dict = field(default_factory=dict)

@@ -129,7 +129,7 @@ def build_app(service: Service, api_keys: Iterable[str]) -> FastAPI:
     async def heartbeat(request: Request):
         body = await _json(request)
         check_fields("session_heartbeat", body)
-        if not s.session_alive(body.get("session_id")):
+        if not s.heartbeat(body.get("session_id")):
             return JSONResponse({"error": "session finished or unknown", "category": "user"}, status_code=410)
         return {"type": "session_heartbeat"}
 

@@ -55,6 +55,9 @@ def serve_errors(cfg) -> List[str]:
     if not 1 <= s.long_poll_seconds <= 40:
         errors.append(f"serve.long_poll_seconds={s.long_poll_seconds} must be in [1, 40] "
                       f"(the SDK gives up on a poll after 45 s)")
+    if s.session_timeout_s != 0 and s.session_timeout_s < 30:
+        errors.append(f"serve.session_timeout_s={s.session_timeout_s} must be 0 (never) or >= 30 (the SDK sends a "
+                      "heartbeat every 10 s)")
     if s.model_name is not None and (":" in s.model_name or not s.model_name.strip()):
         errors.append(f"serve.model_name={s.model_name!r} must be non-empty without ':' (the SDK cuts names at ':')")
     if s.allow_full_parameter and int(cfg.actor.zero_stage) != 0:
@@ -87,6 +90,7 @@ def options_from_config(cfg, model_path: str, run_dir: "str | os.PathLike[str]")
         lora_alpha=float(s.lora_alpha), max_lora_rank=int(s.max_lora_rank), max_lora_slots=int(s.max_lora_slots),
         allow_full_parameter=bool(s.allow_full_parameter), max_chunk_datums=int(s.max_chunk_datums),
         max_merged_datums=int(s.max_merged_datums), long_poll_seconds=float(s.long_poll_seconds),
+        session_timeout_s=float(s.session_timeout_s),
         max_datum_tokens=int(s.max_datum_tokens), max_num_samples=int(s.max_num_samples),
         max_request_bytes=int(s.max_request_bytes), max_json_bytes=int(s.max_json_bytes),
         max_full_clients=int(s.max_full_clients),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,7 @@ class ServiceOptions:
     max_future_bytes: int = 1 << 30
     max_recorded_sequences: int = 100_000
     long_poll_seconds: float = 20.0
+    session_timeout_s: float = 300.0  # 0: sessions never expire
     custom_losses: Dict[str, str] = field(default_factory=dict)
     keep_sampler_snapshots: int = 2
     sampling: bool = False
@@ -76,6 +78,7 @@ class ServiceOptions:
 class _Session:
     session_id: str
     owner: str  # store.owner_of(the API key that created it): owns what its clients save
+    last_seen: float = field(default_factory=time.monotonic)  # its last heartbeat (or creation)
     finished: bool = False
     models: List[str] = field(default_factory=list)
 
@@ -114,6 +117,9 @@ class Service:
 
         tok = AutoTokenizer.from_pretrained(opts.model_path)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0))
+        self._closed = threading.Event()
+        if opts.session_timeout_s > 0:
+            threading.Thread(target=self._expire_sessions, name="dsrl-serve-sessions", daemon=True).start()
 
     # ================================================================== session-level (sync)
     def client_config(self) -> dict:
@@ -129,9 +135,26 @@ class Service:
             self.sessions[sid] = _Session(sid, owner_of(api_key))
         return {"type": "create_session", "session_id": sid}
 
-    def session_alive(self, session_id: str) -> bool:
-        s = self.sessions.get(session_id)
-        return s is not None and not s.finished
+    def heartbeat(self, session_id: str) -> bool:
+        """Record a heartbeat; False if the session is unknown or finished (the SDK stops on 410)."""
+        s = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if s is None or s.finished:
+            return False
+        s.last_seen = time.monotonic()
+        return True
+
+    def _expire_sessions(self) -> None:
+        """Finish every session silent for serve.session_timeout_s (the SDK beats every 10 s): a
+        client process that died frees its LoRA slots and engines instead of holding them forever."""
+        timeout = float(self.opts.session_timeout_s)
+        while not self._closed.wait(min(5.0, timeout / 4)):
+            now = time.monotonic()
+            with self._lock:
+                silent = [sid for sid, s in self.sessions.items() if not s.finished and now - s.last_seen > timeout]
+            for sid in silent:
+                log.warning("serve: session %s sent no heartbeat for %.0f s (serve.session_timeout_s): finished, "
+                            "its training clients released", sid, timeout)
+                self.finish_session(sid)
 
     def finish_session(self, session_id: str) -> None:
         """Mark the session finished and free its training clients (after their queued work)."""
@@ -626,6 +649,7 @@ class Service:
 
     # ================================================================== lifecycle
     def close(self) -> None:
+        self._closed.set()
         self.executor.stop()
         if self.sample_executor is not None:
             self.sample_executor.stop()

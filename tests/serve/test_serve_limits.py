@@ -363,3 +363,29 @@ def test_the_sdk_sees_a_refused_field_as_a_failed_request_and_the_client_goes_on
     with pytest.raises(tinker.RequestFailedError, match="field 'ttl_seconds' is set .* checkpoints here never expire"):
         client.save_state("ttl", ttl_seconds=60).result()
     assert client.save_state("no-ttl").result().path.endswith("/weights/no-ttl")  # its seq_id was consumed
+
+
+def test_a_silent_session_expires_and_frees_its_clients(tiny_model_path, tmp_path):
+    """A client process that died sends no more heartbeats: after serve.session_timeout_s its
+    session is finished and its LoRA slot released (here 2 s; the SDK beats every 10 s, so an SDK
+    session stands in for a dead one). Its heartbeat then gets 410 and its requests fail."""
+    import tinker
+
+    srv = start_server(tiny_model_path, tmp_path, session_timeout_s=2.0, max_lora_slots=1)
+    try:
+        dead = service_client(srv.url)
+        client = dead.create_lora_training_client(MODEL_NAME, rank=2).result()
+        mid = client.model_id
+        deadline = time.monotonic() + 30
+        while not srv.service.model_meta[mid].get("released") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert srv.service.model_meta[mid].get("released") and mid not in srv.service.models
+        sid = mid.split(":train:")[0]
+        r = httpx.post(f"{srv.url}/api/v1/session_heartbeat", json={"session_id": sid}, headers={"X-API-Key": KEY})
+        assert r.status_code == 410
+        with pytest.raises((tinker.RequestFailedError, tinker.BadRequestError), match="finished|released"):
+            client.forward([datum([5, 6, 7], target_tokens=[6, 7, 8], weights=[1, 1, 1])], "cross_entropy").result()
+        alive = service_client(srv.url)  # the one slot is free again
+        assert alive.create_lora_training_client(MODEL_NAME, rank=2).result().get_info().lora_rank == 2
+    finally:
+        srv.stop()
