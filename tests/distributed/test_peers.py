@@ -9,7 +9,7 @@ GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc
 def test_the_address_in_the_error_names_the_lost_ranks(monkeypatch):
     monkeypatch.setattr(peers, "_table", [(0, "a", "10.77.0.1"), (1, "b", "10.77.0.2"), (2, "b", "10.77.0.2"),
                                           (3, "c", "10.77.0.3")])
-    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(peers, "global_rank", lambda: 0)  # not RANK: an earlier test may have initialised torch.distributed
     msg = peers.lost_rank_message(RuntimeError(GLOO_RESET))
     assert msg.startswith("lost rank 1 on host b (10.77.0.2), rank 2 on host b (10.77.0.2): a collective on rank 0 "
                           "on host a (10.77.0.1) failed: [/__w/")
@@ -17,7 +17,7 @@ def test_the_address_in_the_error_names_the_lost_ranks(monkeypatch):
 
 def test_a_timeout_names_every_other_rank_as_a_suspect_and_other_errors_pass(monkeypatch):
     monkeypatch.setattr(peers, "_table", [(0, "a", "10.77.0.1"), (1, "b", "10.77.0.2")])
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(peers, "global_rank", lambda: 1)
     msg = peers.lost_rank_message(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
                                                "60000ms for recv operation to complete"))
     assert msg.startswith("a collective on rank 1 on host b (10.77.0.2) failed waiting for another rank (one of: "
