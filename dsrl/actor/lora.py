@@ -193,9 +193,9 @@ def adapter_state(actor) -> dict:
     return {n.replace(f".{ADAPTER}.", "."): p.detach().to("cpu", copy=True).contiguous() for n, p in named}
 
 
-def adapter_config_dict(module: torch.nn.Module) -> dict:
-    """The adapter's PEFT config as saved in adapter_config.json."""
-    cfg = module.peft_config[ADAPTER].to_dict()
+def adapter_config_dict(module: torch.nn.Module, adapter: str = ADAPTER) -> dict:
+    """Adapter ``adapter``'s PEFT config as saved in adapter_config.json."""
+    cfg = module.peft_config[adapter].to_dict()
     for k, v in list(cfg.items()):
         if isinstance(v, set):
             cfg[k] = sorted(v)

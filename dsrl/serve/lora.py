@@ -30,7 +30,7 @@ from dsrl.actor.device import to_device
 from dsrl.actor.logprobs import token_logprobs
 from dsrl.actor.work_units import AdamParams, TrainingSession
 from dsrl.loss.types import LossInputs, LossOutput, Reduction
-from dsrl.actor.lora import merge_adapter, write_adapter
+from dsrl.actor.lora import adapter_config_dict, merge_adapter, write_adapter
 
 ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "adapter_optimizer.pt"
@@ -255,8 +255,7 @@ class LoraPool:
 
     def adapter_config(self, name: str) -> dict:
         """Slot ``name``'s adapter_config.json (PEFT's; base_model_name_or_path: the base folder)."""
-        cfg = self.peft.peft_config[name].to_dict()
-        cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+        cfg = adapter_config_dict(self.peft, name)
         cfg["base_model_name_or_path"] = self.model_path
         return cfg
 
