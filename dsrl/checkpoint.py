@@ -71,11 +71,15 @@ def _barrier() -> None:
 STORAGES = ("shared", "node_local")
 
 
+def _check_storage(storage: str) -> None:
+    if storage not in STORAGES:
+        raise ValueError(f"checkpoint storage {storage!r}: expected one of {STORAGES}")
+
+
 def _writer(storage: str) -> bool:
     """Whether this rank creates, completes, renames and prunes the checkpoint folders it sees:
     rank 0 on shared storage, the first rank of each node on node-local disks."""
-    if storage not in STORAGES:
-        raise ValueError(f"checkpoint storage {storage!r}: expected one of {STORAGES}")
+    _check_storage(storage)
     return (local_rank() if storage == "node_local" else global_rank()) == 0
 
 
@@ -88,8 +92,7 @@ def check_shared_checkpoint_folder(run_dir: str, storage: str = "shared") -> Non
     exactly one writer's folder, its own node's (none: its node's ranks do not share a disk; two or
     more: the folder is shared after all, and two writers would rename the same folder). Refused
     here, naming the path and the ranks."""
-    if storage not in STORAGES:
-        raise ValueError(f"checkpoint storage {storage!r}: expected one of {STORAGES}")
+    _check_storage(storage)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
     import socket
@@ -253,8 +256,7 @@ def find_latest(run_dir: str, storage: str = "shared") -> Optional[str]:
     multi-rank run). `shared`: as rank 0 sees it. `node_local`: the newest step complete on every
     node (each rank looks at its own node's disk); a newer one that some node lacks is named and
     skipped."""
-    if storage not in STORAGES:
-        raise ValueError(f"checkpoint storage {storage!r}: expected one of {STORAGES}")
+    _check_storage(storage)
     if storage == "shared" or not (dist.is_initialized() and dist.get_world_size() > 1):
         found = None
         if global_rank() == 0:
