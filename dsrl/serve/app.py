@@ -9,7 +9,7 @@ future instead, so that it still consumes its seq_id (tinker-protocol §2.6).
 The event loop only moves bytes and touches the service's books: decompressing, JSON and
 protobuf decoding run on worker threads (`run_in_threadpool`), so one client's 100 MB
 forward_backward does not hold another client's heartbeat or future poll behind it
-(tests/serve/test_serve_event_loop.py states and checks the bound). The service's state is
+(tests/serve/test_serve_limits.py states and checks the bound). The service's state is
 still changed on the loop alone, one request at a time, as before."""
 from __future__ import annotations
 

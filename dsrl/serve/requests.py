@@ -25,8 +25,8 @@ HONOURED = {
                      "optimizer", "optimizer_config"},
     "create_sampling_session": {"session_id", "sampling_session_seq_id", "base_model", "model_path"},
     "asample": {"num_samples", "prompt", "sampling_params", "sampling_session_id", "seq_id", "prompt_logprobs",
-                "prompt_logprobs_last_n", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
-                "target_prompt_logprobs"},
+                "prompt_logprobs_last_n",
+                "target_prompt_logprobs"},  # refused by asample even when empty: any target is unsupported
     "retrieve_future": {"request_id", "allow_metadata_only"},  # metadata-only is a permission, not a demand
 }
 # Why some of them are refused (the rest: "not supported by this server").

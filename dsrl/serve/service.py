@@ -294,10 +294,8 @@ class Service:
         return wire.decode_forward_backward(body, max_datums=self.opts.max_chunk_datums,
                                             max_tokens=self.opts.max_datum_tokens)
 
-    def forward_backward(self, call: "wire.ForwardBackwardCall | bytes") -> dict:
-        """Submit a decoded request (`decode_forward_backward`; raw bytes are decoded here)."""
-        if isinstance(call, (bytes, bytearray)):
-            call = self.decode_forward_backward(bytes(call))
+    def forward_backward(self, call: wire.ForwardBackwardCall) -> dict:
+        """Submit a request decoded by `decode_forward_backward`."""
         what = "forward" if call.forward_only else "forward_backward"
 
         def make(rid):
@@ -429,9 +427,6 @@ class Service:
             session = self.sampling_sessions.get(sid)
             if session is None:
                 raise UserError(f"{what}: unknown sampling_session_id {sid!r}")
-            for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-                if body.get(key):
-                    raise UserError(f"{what}: {key} is not supported by this server")
             if body.get("target_prompt_logprobs") is not None:
                 raise UserError(f"{what}: target_prompt_logprobs is not supported by this server")
             prompt = prompt_tokens(body.get("prompt"), int(self.hf_config.vocab_size), self.opts.max_datum_tokens)

@@ -274,6 +274,9 @@ def test_a_field_the_server_does_not_honour_is_refused_by_name():
         check_fields("save_weights", {"model_id": "m", "path": "p", "ttl_seconds": 3600})
     with pytest.raises(UserError, match="asample: field 'record_stability_info' is set .* stable_reinforce"):
         check_fields("asample", {"prompt": {}, "record_stability_info": True})
+    with pytest.raises(UserError, match=r"asample: field 'topk_prompt_logprobs' is set \('3'\), but it is not "
+                                        r"supported by this server"):
+        check_fields("asample", {"prompt": {}, "topk_prompt_logprobs": 3, "prompt_alt_tokens_k": 0})
     with pytest.raises(UserError, match="create_model: field 'shiny_new_knob' is set .* not supported by this server"):
         check_fields("create_model", {"session_id": "s", "shiny_new_knob": 1})
     with pytest.raises(UserError, match=r"kind='live' is not supported by this server \(only 'snapshot'\)"):
