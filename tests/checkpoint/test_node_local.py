@@ -3,14 +3,9 @@ its own folder: the folder check passes there and refuses one folder both see; a
 newest step complete on every node, naming the one a node lacks; the shared state comes from rank
 0 (only its node has it). The two-host end-to-end runs are in tests/multinode."""
 import json
-import logging
 import os
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from dsrl.distributed.ports import free_port
+from two_ranks import run_two_ranks
 
 
 def _complete(run: str, step: int, files: dict) -> None:
@@ -23,36 +18,8 @@ def _complete(run: str, step: int, files: dict) -> None:
         json.dump({name: len(text) for name, text in files.items()}, f)
 
 
-def _rank(rank: int, port: int, roots: list, out_dir: str, job: str) -> None:
-    from dsrl.checkpoint import check_shared_checkpoint_folder, find_latest, read_shared_state
-    from dsrl.config.reuse import ConfigError
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK="0")  # one rank per node
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    warnings = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("dsrl").addHandler(handler)
-    try:
-        if job == "check":
-            check_shared_checkpoint_folder(roots[rank], "node_local")
-            result = "ok"
-        else:
-            found = find_latest(roots[rank], "node_local")
-            result = json.dumps({"found": found, "state": read_shared_state(found), "warnings": warnings})
-    except ConfigError as e:
-        result = str(e)
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"r{rank}.txt"), "w") as f:
-        f.write(result)
-
-
 def _run(tmp_path, roots, job="check"):
-    mp.spawn(_rank, args=(free_port(), [str(r) for r in roots], str(tmp_path), job), nprocs=2, join=True)
-    return [(tmp_path / f"r{r}.txt").read_text() for r in (0, 1)]
+    return run_two_ranks(tmp_path, roots, "node_local", job)
 
 
 def test_node_local_folders_pass_and_one_shared_folder_is_refused(tmp_path):
