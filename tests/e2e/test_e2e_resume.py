@@ -25,20 +25,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dsrl.testing import subprocess_env
+from e2e_jobs import STEPS, TINY, UNINTERRUPTED, job_cmd, job_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
-
-TINY = ["+exp=grpo_reuse", "model.path=tiny", "data.num_eval=8", "algo.rollout_batch_size=4",
-        "algo.n_samples_per_prompt=4", "algo.global_batch_size=16", "rollout.max_new_tokens=8", "actor.lr=1e-4",
-        "algo.entropy_coef=0.01", "model.dtype=float32", "rollout.dtype=float32", "trainer.eval_before=false",
-        "trainer.eval_after=false", "logger.plot=false", "logger.tensorboard=false", "trainer.keep_checkpoints=0"]
-STEPS = 4
-
-
-def _cmd(run_dir: Path, *extra: str) -> list:
-    return [sys.executable, "-m", "dsrl.main", *TINY, f"trainer.total_steps={STEPS}", f"hydra.run.dir={run_dir}",
-            *extra]
 
 
 def _equal(a, b, where: str) -> None:
@@ -120,15 +109,12 @@ def _assert_no_survivors(procs: list, timeout: float = 20.0) -> None:
     assert not alive, f"orphans survived the trainer: {[(p.pid, p.name()) for p in alive]}"
 
 
-def test_same_seed_same_run_and_exact_resume_through_sigkill_and_sigterm(tmp_path, tiny_model_path):
-    env = subprocess_env(RAY_AUTH_MODE="disabled", HYDRA_FULL_ERROR="1")
-    a, b = tmp_path / "a", tmp_path / "b"
-
-    r = subprocess.run(_cmd(a, "trainer.save_every=1"), env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_same_seed_same_run_and_exact_resume_through_sigkill_and_sigterm(tmp_path, uninterrupted_tiny_run):
+    env = job_env()
+    a, b = uninterrupted_tiny_run, tmp_path / "b"
 
     # B, killed with SIGKILL right after its step-2 checkpoint is complete.
-    proc = subprocess.Popen(_cmd(b, "trainer.save_every=1"), env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(job_cmd(b, *UNINTERRUPTED), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     _wait_for(lambda: (b / "checkpoints" / "step-000002" / "COMPLETE.json").exists(), proc, 600, "checkpoint 2")
     children = psutil.Process(proc.pid).children(recursive=True)
@@ -139,7 +125,7 @@ def test_same_seed_same_run_and_exact_resume_through_sigkill_and_sigterm(tmp_pat
 
     # Resume (same run folder, trainer.resume=auto by default); SIGTERM once step 3 is logged.
     started = time.time()
-    proc = subprocess.Popen(_cmd(b, "trainer.save_every=1"), env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(job_cmd(b, *UNINTERRUPTED), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     metrics = b / "metrics.jsonl"  # rewritten from the checkpoint on resume, then appended to
     _wait_for(lambda: metrics.stat().st_mtime > started and len(metrics.read_text().splitlines()) >= 3,
@@ -171,7 +157,7 @@ def test_two_ranks_zero3_launch_and_resume_equals_the_uninterrupted_run(tmp_path
     from dsrl.distributed.ports import free_port
 
     deepspeed = Path(sys.executable).parent / "deepspeed"
-    env = subprocess_env(RAY_AUTH_MODE="disabled", HYDRA_FULL_ERROR="1")
+    env = job_env()
     common = [*TINY, "actor.zero_stage=3", "actor.stage3_param_persistence_threshold=0", "trainer.total_steps=3",
               "trainer.save_every=2", "trainer.check_rank_sync=true", "trainer.eval_after=true"]
 
