@@ -58,7 +58,7 @@ class StartupError(RuntimeError):
 def _starting(what: str, keys: str):
     """Turn a start-up failure of `what` into one StartupError line naming its cause and `keys`;
     the whole traceback goes to run.log only. Config errors pass as they are."""
-    from dsrl.config.reuse import ConfigError
+    from dsrl.errors import ConfigError
 
     try:
         yield
@@ -260,7 +260,7 @@ def _resume_point(cfg, run_dir: str, auto_keys=()):
         return None
     source = cfg.trainer.resume_from or run_dir
     if cfg.trainer.resume_from and not os.path.isdir(source):
-        from dsrl.config.reuse import ConfigError
+        from dsrl.errors import ConfigError
 
         raise ConfigError(f"trainer.resume_from={source!r}: no such run folder")
     folder = find_latest(source, cfg.trainer.checkpoint_storage)
@@ -277,7 +277,7 @@ def _resume_point(cfg, run_dir: str, auto_keys=()):
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from dsrl.config.reuse import ConfigError
+    from dsrl.errors import ConfigError
     from dsrl.tracking.console import setup_console
     from dsrl.trainer import RunStopped
 

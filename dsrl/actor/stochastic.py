@@ -24,7 +24,7 @@ from typing import Any, Iterator, List, Tuple
 
 import torch
 
-from dsrl.config.errors import ConfigError
+from dsrl.errors import ConfigError
 
 STOCHASTIC_WORDS = ("drop", "jitter", "noise")
 

@@ -15,8 +15,8 @@ from dsrl.actor.shared_prompt import (
     pack_rows,
     prompt_runs,
 )
-from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import Config
+from dsrl.errors import ConfigError
 from dsrl.rollout.samples import pack_microbatches
 
 PAD = 0

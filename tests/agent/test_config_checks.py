@@ -81,9 +81,9 @@ def test_validate_runs_the_agent_checks_on_the_schema():
     max_turns < 1 and gae are reported together, each naming its key (no model is loaded)."""
     import dataclasses
 
-    from dsrl.config.reuse import ConfigError
     from dsrl.config.schema import Config
     from dsrl.config.validate import validate
+    from dsrl.errors import ConfigError
 
     cfg = Config()
     cfg.rollout = dataclasses.replace(cfg.rollout, env="guess_the_number", max_new_tokens=16)

@@ -8,9 +8,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import register_configs, to_config
 from dsrl.config.validate import validate
+from dsrl.errors import ConfigError
 from dsrl.testing import subprocess_env
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")

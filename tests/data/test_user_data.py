@@ -348,7 +348,7 @@ def test_config_groups_and_defaults(tmp_path):
 def test_data_config_errors_name_the_key(tmp_path, overrides, keys):
     from datasets import Dataset, DatasetDict
 
-    from dsrl.config.reuse import ConfigError
+    from dsrl.errors import ConfigError
 
     (tmp_path / "empty").mkdir()
     ds = Dataset.from_list(_records(4))

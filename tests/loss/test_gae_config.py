@@ -5,9 +5,10 @@ import os
 import pytest
 from hydra import compose, initialize_config_dir
 
-from dsrl.config.reuse import ConfigError, decide_reuse
+from dsrl.config.reuse import decide_reuse
 from dsrl.config.schema import CriticConfig, register_configs, to_config
 from dsrl.config.validate import validate
+from dsrl.errors import ConfigError
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 register_configs()

@@ -12,11 +12,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from hydra import compose, initialize_config_dir
 
-from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import register_configs, to_config
 from dsrl.config.validate import validate
 from dsrl.data.types import Prompt
 from dsrl.distributed.ports import free_port
+from dsrl.errors import ConfigError
 from dsrl.reward.http import RemoteReward, RewardServerError
 from dsrl.reward.registry import build_verifier
 from dsrl.rollout.rewards import RewardGuard

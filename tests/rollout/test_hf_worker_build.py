@@ -57,7 +57,7 @@ def test_without_an_actor_the_worker_loads_its_own_copy(tiny_model_path):
 
 
 def test_validation_names_the_backend_and_placement():
-    from dsrl.config.reuse import ConfigError
+    from dsrl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="rollout.backend=hf.*rollout.placement=colocated"):
         validate(_cfg("rollout.backend=hf", "rollout.placement=ray"))

@@ -161,8 +161,8 @@ def _cfg(**rollout):
                                             "rollout.placement=colocated"),
 ])
 def test_placement_config_errors_name_the_key(overrides, message):
-    from dsrl.config.reuse import ConfigError
     from dsrl.config.validate import validate
+    from dsrl.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         validate(_cfg(**overrides))
@@ -171,8 +171,8 @@ def test_placement_config_errors_name_the_key(overrides, message):
 def test_tensor_parallel_needs_cuda(monkeypatch):
     import torch
 
-    from dsrl.config.reuse import ConfigError
     from dsrl.config.validate import validate
+    from dsrl.errors import ConfigError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 > 1 needs CUDA"):
