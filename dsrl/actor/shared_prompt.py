@@ -28,7 +28,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import torch
 
 from dsrl.actor.batch import Sample
-from dsrl.agent.masks import response_loss_mask
+from dsrl.actor.masks import response_loss_mask
 
 log = logging.getLogger("dsrl")
 
