@@ -7,5 +7,5 @@ class ConfigError(ValueError):
 
 
 class ReuseInvariantError(RuntimeError):
-    """Log-prob reuse was decided (dsrl.config.reuse) but the data in hand breaks its exactness (a
-    named runtime guard, not an `assert`, so that `python -O` keeps it)."""
+    """Log-prob reuse was decided (dsrl.validation.reuse) but the data in hand breaks its exactness
+    (a named runtime guard, not an `assert`, so that `python -O` keeps it)."""

@@ -177,7 +177,7 @@ class ActorEngine:
             self.engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config)
             self.optimizer = None
         # HF train() mode enables dropout modules; under reuse every one has p=0, which
-        # dsrl.config.reuse.reuse_for_model checks on this module before training starts.
+        # dsrl.validation.reuse.reuse_for_model checks on this module before training starts.
 
     # ------------------------------------------------------------------ forward
     @property

@@ -9,7 +9,7 @@ What leaves the trainer:
   (W + alpha/r * B @ A): the final HF folder, and the full weight sync for engines without LoRA
   support (the HF rollout worker, Ray engines).
 
-Config checks run before anything heavy: ranges in `config_errors` (dsrl.config.validate), the
+Config checks run before anything heavy: ranges in `config_errors` (dsrl.validation.validate), the
 target modules against the model's module names (`check_targets`, a meta-device model)."""
 from __future__ import annotations
 

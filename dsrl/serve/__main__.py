@@ -22,10 +22,10 @@ def prepare(cfg_node: DictConfig, run_dir: str):
     Raises ConfigError listing every problem; nothing heavy has loaded by then."""
     from dsrl import hardware
     from dsrl.config.schema import to_config
-    from dsrl.config.validate import validate
     from dsrl.errors import ConfigError
     from dsrl.serve.config import serve_errors
     from dsrl.setup_assets import default_cache_dir, resolve_model_path
+    from dsrl.validation.validate import validate
 
     cfg = to_config(cfg_node)
     validate(cfg)

@@ -10,9 +10,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from dsrl.config.schema import register_configs, to_config
-from dsrl.config.validate import validate
 from dsrl.rollout.factory import build_rollout
 from dsrl.rollout.hf_worker import HFWorker
+from dsrl.validation.validate import validate
 
 CONF = Path(__file__).parents[2] / "conf"
 register_configs()
