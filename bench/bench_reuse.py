@@ -29,8 +29,8 @@ def main(argv) -> int:
             overrides.append(a)
     from hydra import compose, initialize_config_dir
 
-    from dsrl.config.reuse import decide_reuse
     from dsrl.main import build
+    from dsrl.validation.reuse import decide_reuse
 
     conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf")
     with initialize_config_dir(config_dir=os.path.abspath(conf), version_base=None):

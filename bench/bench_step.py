@@ -80,10 +80,10 @@ class Mode:
 def build_modes(overrides, budget):
     from hydra import compose, initialize_config_dir
 
-    from dsrl.config.reuse import decide_reuse
     from dsrl.loss.skip import zero_advantage_skip
     from dsrl.main import build
     from dsrl.rollout.factory import build_rollout
+    from dsrl.validation.reuse import decide_reuse
 
     on = [f"actor.max_tokens_per_microbatch={budget}", "actor.shared_prompt=auto", "algo.reuse_logprobs=auto",
           "algo.skip_zero_variance_groups=true", f"rollout.sync_probe_every={PROBE_EVERY}"]
@@ -109,8 +109,8 @@ def build_adaptive_modes(overrides, budget, k):
     full old-policy pass (off), every other speed-up on in both, one engine."""
     from hydra import compose, initialize_config_dir
 
-    from dsrl.config.reuse import decide_reuse, steps_per_rollout
     from dsrl.main import build
+    from dsrl.validation.reuse import decide_reuse, steps_per_rollout
 
     on = [f"actor.max_tokens_per_microbatch={budget}", "actor.shared_prompt=auto", "algo.reuse_logprobs=adaptive",
           "algo.skip_zero_variance_groups=true", f"algo.num_steps_per_rollout={k}", f"algo.global_batch_size={64 // k}"]

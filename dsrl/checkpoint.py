@@ -38,9 +38,9 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from dsrl.config.reuse import ConfigError
 from dsrl.distributed.collectives import broadcast_from_rank0
 from dsrl.distributed.ranks import global_rank, local_rank, world_size
+from dsrl.errors import ConfigError
 
 log = logging.getLogger("dsrl")
 
@@ -117,7 +117,7 @@ def check_shared_checkpoint_folder(run_dir: str, storage: str = "shared") -> Non
     _barrier()
     if writer:
         os.remove(probe)
-    from dsrl.config.reuse import ConfigError
+    from dsrl.errors import ConfigError
 
     if storage == "shared":
         blind = [f"rank {r} on {host} ({path})" for r, host, path, ok in views if 0 not in ok]

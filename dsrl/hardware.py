@@ -165,7 +165,7 @@ def decide(cfg, m: Machine) -> List[Decision]:
 
     threads = cfg.actor.num_threads
     if threads < 0:
-        from dsrl.config.reuse import ConfigError
+        from dsrl.errors import ConfigError
 
         raise ConfigError(f"actor.num_threads={threads} must be >= 0 (0 = auto)")
     if threads:

@@ -58,7 +58,7 @@ class StartupError(RuntimeError):
 def _starting(what: str, keys: str):
     """Turn a start-up failure of `what` into one StartupError line naming its cause and `keys`;
     the whole traceback goes to run.log only. Config errors pass as they are."""
-    from dsrl.config.reuse import ConfigError
+    from dsrl.errors import ConfigError
 
     try:
         yield
@@ -129,9 +129,9 @@ def _stop_on_signals(trainer):
 
 def build(cfg_node: DictConfig, run_dir: str):
     """Validate the config (before anything heavy), then build the components into a Trainer."""
-    from dsrl.config.reuse import decide_reuse, reuse_for_model_config
     from dsrl.config.schema import to_config
-    from dsrl.config.validate import validate
+    from dsrl.validation.reuse import decide_reuse, reuse_for_model_config
+    from dsrl.validation.validate import validate
 
     cfg = to_config(cfg_node)
     validate(cfg)  # config errors surface here, before any model loads
@@ -211,10 +211,10 @@ def _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, 
     """The DeepSpeed engines (actor; reference, teacher and critic when needed) and the Trainer."""
     from dsrl.actor.critic import build_critic
     from dsrl.actor.engine import ActorEngine
-    from dsrl.config.reuse import reuse_for_model
     from dsrl.data.chat import apply_chat_template
     from dsrl.setup_assets import resolve_model_path
     from dsrl.trainer import Trainer
+    from dsrl.validation.reuse import reuse_for_model
 
     a, ac, m = cfg.algo, cfg.actor, cfg.model
     common = dict(zero_stage=ac.zero_stage, dtype=m.dtype, attn_implementation=m.attn_implementation,
@@ -260,7 +260,7 @@ def _resume_point(cfg, run_dir: str, auto_keys=()):
         return None
     source = cfg.trainer.resume_from or run_dir
     if cfg.trainer.resume_from and not os.path.isdir(source):
-        from dsrl.config.reuse import ConfigError
+        from dsrl.errors import ConfigError
 
         raise ConfigError(f"trainer.resume_from={source!r}: no such run folder")
     folder = find_latest(source, cfg.trainer.checkpoint_storage)
@@ -277,7 +277,7 @@ def _resume_point(cfg, run_dir: str, auto_keys=()):
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from dsrl.config.reuse import ConfigError
+    from dsrl.errors import ConfigError
     from dsrl.tracking.console import setup_console
     from dsrl.trainer import RunStopped
 

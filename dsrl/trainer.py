@@ -15,7 +15,6 @@ from dsrl.actor.batch import Sample
 from dsrl.checkpoint import (config_record, load_rank_state, read_shared_state, restore_rng,
                              save_checkpoint)
 from dsrl.actor.nonfinite import TrainingDiverged
-from dsrl.config.reuse import ReuseDecision, steps_per_rollout
 from dsrl.config.schema import Config
 from dsrl.distributed.collectives import all_reduce_max
 from dsrl.distributed.ranks import global_rank, is_main_rank
@@ -29,6 +28,7 @@ from dsrl.stages.rollout import RolloutStage
 from dsrl.stages.scoring import ScoringPasses
 from dsrl.stages.state import LoopState
 from dsrl.tracking import MetricsLogger, PhaseTimer, plot_run
+from dsrl.validation.reuse import ReuseDecision, steps_per_rollout
 
 log = logging.getLogger("dsrl")
 PHASES = ("rollout", "old_logprobs", "ref_logprobs", "teacher_logprobs", "critic_values", "critic_train", "train",

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from dsrl.agent.masks import response_loss_mask
+from dsrl.actor.masks import response_loss_mask
 from dsrl.distributed.collectives import all_reduce_max
 
 
@@ -33,7 +33,7 @@ def collate(samples: Sequence[Sample], pad_id: int, token_fields: Optional[dict]
     token_fields: name -> list (one per sample) of per-response-token tensors of length
     len(response_ids); they are scattered to the response columns. rollout log-probs come from
     the samples themselves. `loss_mask` is 1 on the tokens the model sampled (an episode's
-    environment tokens are 0: dsrl.agent.masks), `response_mask` on every response token (the
+    environment tokens are 0: dsrl.actor.masks), `response_mask` on every response token (the
     columns per-response-token fields occupy: scored rows are read back under it)."""
     lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     T = max(lens)

@@ -25,8 +25,8 @@ from dsrl.actor.nonfinite import guarded_step
 from dsrl.actor.optim import adamw, skip_single_rank_allreduce
 from dsrl.actor.shared_prompt import FORWARD_KEYS, additive_mask, head_rows, is_shared_prompt_batch
 from dsrl.actor.stochastic import apply_dropout_knobs
-from dsrl.config.reuse import ReuseInvariantError
 from dsrl.distributed.ports import free_port
+from dsrl.errors import ReuseInvariantError
 from dsrl.loss.registry import ObjectiveSpec
 from dsrl.loss.types import LossInputs, LossOutput, Reduction
 
@@ -177,7 +177,7 @@ class ActorEngine:
             self.engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config)
             self.optimizer = None
         # HF train() mode enables dropout modules; under reuse every one has p=0, which
-        # dsrl.config.reuse.reuse_for_model checks on this module before training starts.
+        # dsrl.validation.reuse.reuse_for_model checks on this module before training starts.
 
     # ------------------------------------------------------------------ forward
     @property

@@ -9,7 +9,7 @@ What leaves the trainer:
   (W + alpha/r * B @ A): the final HF folder, and the full weight sync for engines without LoRA
   support (the HF rollout worker, Ray engines).
 
-Config checks run before anything heavy: ranges in `config_errors` (dsrl.config.validate), the
+Config checks run before anything heavy: ranges in `config_errors` (dsrl.validation.validate), the
 target modules against the model's module names (`check_targets`, a meta-device model)."""
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def matched_modules(model: torch.nn.Module, targets: Sequence[str]) -> List[str]
 def _no_match_error(model: torch.nn.Module, targets: Sequence[str]) -> ValueError:
     import torch
 
-    from dsrl.config.reuse import ConfigError
+    from dsrl.errors import ConfigError
 
     leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
     return ConfigError(f"actor.lora.target_modules={list(targets)} matches no Linear layer of the model "

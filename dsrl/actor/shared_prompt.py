@@ -28,7 +28,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import torch
 
 from dsrl.actor.batch import Sample
-from dsrl.agent.masks import response_loss_mask
+from dsrl.actor.masks import response_loss_mask
 
 log = logging.getLogger("dsrl")
 
@@ -63,7 +63,7 @@ def decide_shared_prompt(mode: str, hf_config, attn_implementation: Optional[str
                          hooks: Sequence = ()) -> SharedPromptDecision:
     """actor.shared_prompt=auto|on|off for one model. `on` where the layout is not exact for the
     model is a ConfigError naming the key; `auto` turns it off and says why."""
-    from dsrl.config.reuse import ConfigError
+    from dsrl.errors import ConfigError
 
     if mode == "off":
         return SharedPromptDecision(False, "shared-prompt forward off (actor.shared_prompt=off)")

@@ -1,5 +1,5 @@
 """Find what makes a model's training forward stochastic, by name, so that log-prob reuse can
-refuse it (see dsrl/config/reuse.py).
+refuse it (see dsrl/validation/reuse.py).
 
 Reuse is exact only if the training forward (train mode) equals the old-policy pass (eval
 mode). Dropout, stochastic depth, MoE router jitter and injected noise all break that, and
@@ -24,7 +24,7 @@ from typing import Any, Iterator, List, Tuple
 
 import torch
 
-from dsrl.config.errors import ConfigError
+from dsrl.errors import ConfigError
 
 STOCHASTIC_WORDS = ("drop", "jitter", "noise")
 

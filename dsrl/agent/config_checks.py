@@ -1,6 +1,6 @@
 """Validation of the multi-turn rollout keys (`rollout.env`, `rollout.env_kwargs`,
 `rollout.max_turns`, `rollout.max_episode_tokens`) against the rest of the config, before
-anything heavy loads. dsrl/config/validate.py calls `check_agent_config(cfg)` and adds the
+anything heavy loads. dsrl/validation/validate.py calls `check_agent_config(cfg)` and adds the
 returned errors (each names its key); an empty `rollout.env` (single-turn GRPO) returns none.
 
 What applies per episode: group advantage estimators (grpo, dr_grpo, rloo, reinforce_pp ...)

@@ -12,7 +12,6 @@ from typing import Any, List, Optional, Sequence, Tuple
 from dsrl.actor.batch import Sample
 from dsrl.agent.environments import make_env
 from dsrl.agent.episodes import episode_metrics, run_episodes, trajectories_to_samples
-from dsrl.agent.masks import model_tokens, response_loss_mask  # noqa: F401  (re-exported for the trainer)
 
 EPISODE_SEED_STRIDE = 256  # seeds per episode: max_turns <= 256, n_samples_per_prompt <= 256 (2^16 per prompt)
 

@@ -166,7 +166,7 @@ class AlgoConfig:
     global_batch_size: int = 64
     # Optimizer steps per rollout (None = global batches in one rollout).
     num_steps_per_rollout: Optional[int] = None
-    # Training log-prob reuse: off | on | auto | adaptive (see dsrl/config/reuse.py). adaptive: exact
+    # Training log-prob reuse: off | on | auto | adaptive (see dsrl/validation/reuse.py). adaptive: exact
     # reuse where it applies, else the rollout log-probs as the old policy, checked by a per-step probe.
     reuse_logprobs: str = "auto"
     # adaptive: fraction of each step's sequences re-scored on the trainer (at least one; reproducible choice).

@@ -12,7 +12,7 @@ import logging
 from collections import Counter
 from typing import List, Tuple
 
-from dsrl.config.reuse import ConfigError
+from dsrl.errors import ConfigError
 
 log = logging.getLogger("dsrl")
 

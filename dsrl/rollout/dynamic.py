@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Sequence
 
 from dsrl.actor.batch import Sample
-from dsrl.agent.masks import model_tokens
+from dsrl.actor.masks import model_tokens
 
 # generate_round(round, count) -> the samples of `count` fresh prompts, groups numbered 0..count-1
 GenerateRound = Callable[[int, int], List[Sample]]

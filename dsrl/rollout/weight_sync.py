@@ -154,7 +154,7 @@ class WeightSync:
         self.probe = bool(rollout_cfg.sync_probe)
         # rollout.sync_probe_every: the probe runs on pushes 0, N, 2N, ... of this process; the train
         # step checks the pushes between (check_samples).
-        self.probe_every = int(rollout_cfg.sync_probe_every)  # >= 1 (dsrl.config.validate)
+        self.probe_every = int(rollout_cfg.sync_probe_every)  # >= 1 (dsrl.validation.validate)
         self.schedule = schedule if schedule is not None else SyncSchedule()
         dtype = engine_dtype or getattr(rollout_cfg, "dtype", "float32")
         self.tolerance = (float(rollout_cfg.sync_tolerance) if rollout_cfg.sync_tolerance is not None

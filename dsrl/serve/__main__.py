@@ -21,11 +21,11 @@ def prepare(cfg_node: DictConfig, run_dir: str):
     """Typed config, validated (general rules + serve.*) and hardware-resolved; the model folder.
     Raises ConfigError listing every problem; nothing heavy has loaded by then."""
     from dsrl import hardware
-    from dsrl.config.reuse import ConfigError
     from dsrl.config.schema import to_config
-    from dsrl.config.validate import validate
+    from dsrl.errors import ConfigError
     from dsrl.serve.config import serve_errors
     from dsrl.setup_assets import default_cache_dir, resolve_model_path
+    from dsrl.validation.validate import validate
 
     cfg = to_config(cfg_node)
     validate(cfg)
@@ -62,7 +62,7 @@ def prepare(cfg_node: DictConfig, run_dir: str):
 def main(cfg_node: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from dsrl.config.reuse import ConfigError
+    from dsrl.errors import ConfigError
     from dsrl.tracking.console import adopt_library_loggers, setup_console
 
     run_dir = HydraConfig.get().runtime.output_dir

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from dsrl.actor.batch import Sample, pad_to_largest_rank
+from dsrl.actor.masks import model_tokens
 from dsrl.actor.nonfinite import SkipCounter
 from dsrl.actor.packing import padded_tokens
 from dsrl.actor.shared_prompt import engine_uses_shared_prompt
-from dsrl.agent.masks import model_tokens
 from dsrl.distributed.collectives import all_reduce_, all_reduce_sum
 from dsrl.distributed.ranks import global_rank
 from dsrl.loss.options import objective_config

@@ -26,7 +26,7 @@ class RolloutStage:
     def __init__(self, cfg, *, worker, tokenizer, source, verifier, prompt_ids_fn, state: LoopState):
         self.cfg, self.worker, self.tokenizer, self.source = cfg, worker, tokenizer, source
         self.verifier, self.prompt_ids, self.state = verifier, prompt_ids_fn, state
-        # Divisibility by the world size is checked by dsrl.config.validate before anything loads.
+        # Divisibility by the world size is checked by dsrl.validation.validate before anything loads.
         self.prompts_per_rank = cfg.algo.rollout_batch_size // world_size()
 
     def collect(self, step: int) -> Rollout:

@@ -11,16 +11,16 @@ from typing import List, NamedTuple
 import torch
 
 from dsrl.actor.batch import Sample, masked_rows
+from dsrl.actor.masks import response_loss_mask
 from dsrl.actor.reuse_probe import judge, max_mismatch, mismatch_sums, missing_rollout_log_probs, probe_indices
 from dsrl.actor.shared_prompt import engine_uses_shared_prompt
-from dsrl.agent.masks import response_loss_mask
-from dsrl.config.reuse import check_reuse_invariants
 from dsrl.distributed.collectives import all_reduce_sum
 from dsrl.distributed.ranks import global_rank, is_main_rank
 from dsrl.loss.advantages import compute_advantages
 from dsrl.loss.skip import zero_advantage_skip
 from dsrl.rollout.samples import pack_microbatches
 from dsrl.tracking import microbatch_bar
+from dsrl.validation.reuse import check_reuse_invariants
 
 log = logging.getLogger("dsrl")
 # Per-token fixed inputs carried from the scoring passes / advantages into the microbatches.

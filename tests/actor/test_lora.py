@@ -13,12 +13,12 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from dsrl.actor.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_targets, merge_group
-from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import register_configs, to_config
-from dsrl.config.validate import validate
+from dsrl.errors import ConfigError
 from dsrl.loss.registry import get_objective
 from dsrl.loss.types import Reduction
 from dsrl.testing import random_microbatch
+from dsrl.validation.validate import validate
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 register_configs()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsrl.actor.engine import ActorEngine
-from dsrl.config.reuse import ReuseInvariantError
+from dsrl.errors import ReuseInvariantError
 from dsrl.loss.registry import get_objective
 from dsrl.loss.types import Reduction
 from dsrl.testing import random_microbatch

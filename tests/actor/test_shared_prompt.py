@@ -15,8 +15,8 @@ from dsrl.actor.shared_prompt import (
     pack_rows,
     prompt_runs,
 )
-from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import Config
+from dsrl.errors import ConfigError
 from dsrl.rollout.samples import pack_microbatches
 
 PAD = 0
@@ -146,7 +146,7 @@ def test_engine_decision_is_made_once_and_engines_without_a_model_config_stay_de
 def test_validate_rejects_an_unknown_mode():
     import dataclasses
 
-    from dsrl.config.validate import validate
+    from dsrl.validation.validate import validate
 
     cfg = Config()
     cfg.actor = dataclasses.replace(cfg.actor, shared_prompt="yes")

@@ -345,9 +345,9 @@ def test_a_whole_trainer_step_with_the_hf_rollout_backend(tmp_path, tiny_model_p
     sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
     from _real_engine import FakeSource, build_engine, make_cfg
 
-    from dsrl.config.reuse import decide_reuse
     from dsrl.rollout.hf_worker import HFWorker
     from dsrl.trainer import Trainer
+    from dsrl.validation.reuse import decide_reuse
 
     extra = ({"reuse_logprobs": "adaptive", "num_steps_per_rollout": 2, "global_batch_size": 3}
              if variant == "adaptive-reuse" else {})

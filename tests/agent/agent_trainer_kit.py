@@ -15,10 +15,10 @@ import torch
 
 from dsrl.actor.batch import Sample
 from dsrl.actor.engine import ActorEngine
-from dsrl.config.reuse import decide_reuse
 from dsrl.config.schema import Config
-from dsrl.config.validate import validate
 from dsrl.trainer import Trainer
+from dsrl.validation.reuse import decide_reuse
+from dsrl.validation.validate import validate
 
 LR = 1.0
 ADAM_EPS = 10.0

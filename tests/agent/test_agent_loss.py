@@ -23,8 +23,8 @@ import torch
 from agent_trainer_kit import (Spy, agent_cfg, build_actor, build_trainer, episode_samples, max_abs_diff,
                                plain_model, reference_update, response_log_probs)
 from dsrl.actor.batch import collate, masked_rows
+from dsrl.actor.masks import response_loss_mask
 from dsrl.actor.shared_prompt import collate_shared_prompt
-from dsrl.agent.masks import response_loss_mask
 
 pytestmark = pytest.mark.slow  # a real engine per case (~5-10 s each on 2 shared cores)
 

@@ -9,7 +9,8 @@ import torch
 
 from agent_testkit import ScriptedWorker
 from dsrl.actor.batch import Sample, collate
-from dsrl.agent.rollout import EPISODE_SEED_STRIDE, generate_episode_samples, response_loss_mask
+from dsrl.actor.masks import response_loss_mask
+from dsrl.agent.rollout import EPISODE_SEED_STRIDE, generate_episode_samples
 from dsrl.data.arith import ArithSource
 
 STRIDE = EPISODE_SEED_STRIDE

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from agent_trainer_kit import Spy, agent_cfg, build_actor, build_trainer
-from dsrl.agent.masks import model_tokens, response_loss_mask
+from dsrl.actor.masks import model_tokens, response_loss_mask
 
 TOL = 1e-4
 

@@ -1,7 +1,7 @@
 """check_agent_config: single-turn configs pass untouched; every multi-turn error names its key
 (unknown env, bad env kwargs, turns, token budget vs max_model_len and max_new_tokens, the GAE
 critic, adaptive reuse, the single-turn greedy eval, reward.fn/url, the data keys the environment
-replaces); both rollout backends apply. And through dsrl.config.validate on the full schema."""
+replaces); both rollout backends apply. And through dsrl.validation.validate on the full schema."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -77,13 +77,13 @@ def test_prepared_exp_file_passes():
 
 
 def test_validate_runs_the_agent_checks_on_the_schema():
-    """dsrl.config.validate on the typed Config: a good env config passes; an unknown env,
+    """dsrl.validation.validate on the typed Config: a good env config passes; an unknown env,
     max_turns < 1 and gae are reported together, each naming its key (no model is loaded)."""
     import dataclasses
 
-    from dsrl.config.reuse import ConfigError
     from dsrl.config.schema import Config
-    from dsrl.config.validate import validate
+    from dsrl.errors import ConfigError
+    from dsrl.validation.validate import validate
 
     cfg = Config()
     cfg.rollout = dataclasses.replace(cfg.rollout, env="guess_the_number", max_new_tokens=16)

@@ -17,8 +17,8 @@ import torch
 
 from dsrl.checkpoint import (MANIFEST, SHARED_STATE, _manifest, capture_rng, check_resume_compatible,
                              checkpoint_dir, config_record, find_latest, restore_rng)
-from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import Config
+from dsrl.errors import ConfigError
 from dsrl.testing import subprocess_env
 from dsrl.tracking.metrics import MetricsLogger
 

@@ -15,7 +15,7 @@ from dsrl.distributed.ports import free_port
 
 def _rank(rank: int, port: int, roots: list, out_dir: str, job: str, storage: str) -> None:
     from dsrl.checkpoint import check_shared_checkpoint_folder, find_latest, read_shared_state
-    from dsrl.config.reuse import ConfigError
+    from dsrl.errors import ConfigError
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK="0")  # one rank per node

@@ -8,10 +8,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import register_configs, to_config
-from dsrl.config.validate import validate
+from dsrl.errors import ConfigError
 from dsrl.testing import subprocess_env
+from dsrl.validation.validate import validate
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 register_configs()
@@ -269,7 +269,8 @@ def test_cli_accepts_dotted_path_plugins(tmp_path):
 def test_validate_imports_no_model_stack():
     """validate() (with plug-ins loaded by dotted path) leaves transformers, deepspeed and vLLM
     unimported: it can run before anything heavy."""
-    code = ("import sys; from dsrl.config.schema import Config, DataConfig; from dsrl.config.validate import validate\n"
+    code = ("import sys; from dsrl.config.schema import Config, DataConfig\n"
+            "from dsrl.validation.validate import validate\n"
             "cfg = Config(); cfg.data = DataConfig(name='plugins_for_tests.LetterCountSource')\n"
             "validate(cfg)\n"
             "print(sorted(m for m in ('transformers', 'deepspeed', 'vllm', 'ray') if m in sys.modules))")

@@ -11,9 +11,10 @@ import torch
 
 from dsrl.actor.reuse_probe import (DEFAULT_MAX_MISMATCH, judge, max_mismatch, mismatch_sums,
                                     missing_rollout_log_probs, probe_indices)
-from dsrl.config.reuse import ConfigError, decide_reuse, reuse_for_model
 from dsrl.config.schema import Config
-from dsrl.config.validate import validate
+from dsrl.errors import ConfigError
+from dsrl.validation.reuse import decide_reuse, reuse_for_model
+from dsrl.validation.validate import validate
 
 
 def cfg_with(**algo) -> Config:

@@ -13,10 +13,11 @@ from transformers import AutoModelForCausalLM, FalconConfig, GPT2Config, LlamaCo
 
 from dsrl.actor.stochastic import (apply_dropout_knobs, is_stochastic_name, stochastic_config_fields,
                                    stochastic_modules)
-from dsrl.config.reuse import (ConfigError, ReuseDecision, ReuseInvariantError, check_reuse_invariants,
-                               decide_reuse, reuse_for_model, reuse_for_model_config)
 from dsrl.config.schema import Config
+from dsrl.errors import ConfigError, ReuseInvariantError
 from dsrl.testing import subprocess_env
+from dsrl.validation.reuse import (ReuseDecision, check_reuse_invariants, decide_reuse, reuse_for_model,
+                                   reuse_for_model_config)
 
 GPT2_DROPS = ("attn_pdrop", "resid_pdrop", "embd_pdrop", "summary_first_dropout")
 
@@ -253,12 +254,14 @@ def test_runtime_guards_raise_named_errors():
 
 
 def test_runtime_guard_survives_python_O():
-    script = ("from dsrl.config.reuse import ReuseDecision, ReuseInvariantError, check_reuse_invariants\n"
+    script = ("from dsrl.validation.reuse import ReuseDecision, check_reuse_invariants\n"
+              "from dsrl.errors import ReuseInvariantError\n"
               "assert False, 'asserts are live'\n")
     r = subprocess.run([sys.executable, "-O", "-c", script], capture_output=True, text=True, env=subprocess_env())
     assert r.returncode == 0, r.stderr  # -O really drops asserts
     script = ("import sys\n"
-              "from dsrl.config.reuse import ReuseDecision, ReuseInvariantError, check_reuse_invariants\n"
+              "from dsrl.validation.reuse import ReuseDecision, check_reuse_invariants\n"
+              "from dsrl.errors import ReuseInvariantError\n"
               "try:\n"
               "    check_reuse_invariants(ReuseDecision(True, 'x', False), steps_per_rollout=3, batch_keys=[])\n"
               "except ReuseInvariantError as e:\n"

@@ -5,8 +5,9 @@ import itertools
 
 import pytest
 
-from dsrl.config.reuse import ConfigError, decide_reuse, reuse_blockers, validate_reuse
 from dsrl.config.schema import Config
+from dsrl.errors import ConfigError
+from dsrl.validation.reuse import decide_reuse, reuse_blockers, validate_reuse
 
 
 def make(section_overrides=None, reuse="on"):

@@ -9,13 +9,13 @@ import random
 
 import pytest
 
-from dsrl.config.reuse import decide_reuse
 from dsrl.config.schema import Config, DataConfig
-from dsrl.config.validate import validate
 from dsrl.data import (DataError, apply_chat_template, build_source, check_prompt_lengths, load_gsm8k_split,
                        make_source, textarena_data_dir)
 from dsrl.data.files import split_by_hash
 from dsrl.reward import get_verifier, verifier_for_source
+from dsrl.validation.reuse import decide_reuse
+from dsrl.validation.validate import validate
 
 ROWS = [  # (record, expected messages, expected answer)
     ({"prompt": "What is 2 + 2?", "answer": 4, "extra": "kept"}, [{"role": "user", "content": "What is 2 + 2?"}], "4"),
@@ -348,7 +348,7 @@ def test_config_groups_and_defaults(tmp_path):
 def test_data_config_errors_name_the_key(tmp_path, overrides, keys):
     from datasets import Dataset, DatasetDict
 
-    from dsrl.config.reuse import ConfigError
+    from dsrl.errors import ConfigError
 
     (tmp_path / "empty").mkdir()
     ds = Dataset.from_list(_records(4))

@@ -22,11 +22,11 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from dsrl.config import schema
-from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import register_configs, to_config
-from dsrl.config.validate import validate
 from dsrl.data import DataError, make_source
+from dsrl.errors import ConfigError
 from dsrl.testing import subprocess_env
+from dsrl.validation.validate import validate
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 register_configs()

@@ -10,10 +10,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from dsrl import hardware
-from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import Config, register_configs, to_config
-from dsrl.config.validate import validate
+from dsrl.errors import ConfigError
 from dsrl.hardware import Machine
+from dsrl.validation.validate import validate
 
 CONF = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "conf"))
 register_configs()

@@ -5,9 +5,10 @@ import os
 import pytest
 from hydra import compose, initialize_config_dir
 
-from dsrl.config.reuse import ConfigError, decide_reuse
 from dsrl.config.schema import CriticConfig, register_configs, to_config
-from dsrl.config.validate import validate
+from dsrl.errors import ConfigError
+from dsrl.validation.reuse import decide_reuse
+from dsrl.validation.validate import validate
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 register_configs()
@@ -75,7 +76,7 @@ def test_no_critic_is_built_for_estimators_without_values():
 def test_reuse_reason_keeps_the_critic_note_when_the_model_blocks_reuse(tiny_model_path):
     """A model-side blocker (here a dropout knob read with the model's config.json) rebuilds the
     decision: the run log must still say what the critic changes."""
-    from dsrl.config.reuse import reuse_for_model_config
+    from dsrl.validation.reuse import reuse_for_model_config
 
     for mode in ("auto", "adaptive"):
         cfg = _cfg("algo.advantage_estimator=gae", f"algo.reuse_logprobs={mode}", "model.attention_dropout=0.1")

@@ -12,16 +12,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from hydra import compose, initialize_config_dir
 
-from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import register_configs, to_config
-from dsrl.config.validate import validate
 from dsrl.data.types import Prompt
 from dsrl.distributed.ports import free_port
+from dsrl.errors import ConfigError
 from dsrl.reward.http import RemoteReward, RewardServerError
 from dsrl.reward.registry import build_verifier
 from dsrl.rollout.rewards import RewardGuard
 from dsrl.rollout.samples import generate_samples
 from dsrl.rollout.vllm_worker import Completion
+from dsrl.validation.validate import validate
 
 register_configs()
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")

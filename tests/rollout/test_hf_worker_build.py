@@ -10,9 +10,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from dsrl.config.schema import register_configs, to_config
-from dsrl.config.validate import validate
 from dsrl.rollout.factory import build_rollout
 from dsrl.rollout.hf_worker import HFWorker
+from dsrl.validation.validate import validate
 
 CONF = Path(__file__).parents[2] / "conf"
 register_configs()
@@ -57,7 +57,7 @@ def test_without_an_actor_the_worker_loads_its_own_copy(tiny_model_path):
 
 
 def test_validation_names_the_backend_and_placement():
-    from dsrl.config.reuse import ConfigError
+    from dsrl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="rollout.backend=hf.*rollout.placement=colocated"):
         validate(_cfg("rollout.backend=hf", "rollout.placement=ray"))

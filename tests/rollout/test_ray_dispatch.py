@@ -161,8 +161,8 @@ def _cfg(**rollout):
                                             "rollout.placement=colocated"),
 ])
 def test_placement_config_errors_name_the_key(overrides, message):
-    from dsrl.config.reuse import ConfigError
-    from dsrl.config.validate import validate
+    from dsrl.errors import ConfigError
+    from dsrl.validation.validate import validate
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         validate(_cfg(**overrides))
@@ -171,8 +171,8 @@ def test_placement_config_errors_name_the_key(overrides, message):
 def test_tensor_parallel_needs_cuda(monkeypatch):
     import torch
 
-    from dsrl.config.reuse import ConfigError
-    from dsrl.config.validate import validate
+    from dsrl.errors import ConfigError
+    from dsrl.validation.validate import validate
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 > 1 needs CUDA"):
@@ -180,7 +180,7 @@ def test_tensor_parallel_needs_cuda(monkeypatch):
 
 
 def test_ray_placement_defaults_validate():
-    from dsrl.config.validate import validate
+    from dsrl.validation.validate import validate
 
     validate(_cfg(placement="ray", num_engines=2, ray_address="local"))
 

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsrl.config.reuse import ConfigError
 from dsrl.config.schema import Config, RolloutConfig
-from dsrl.config.validate import validate
+from dsrl.errors import ConfigError
 from dsrl.rollout.weight_sync import SyncSchedule, WeightSync, WeightSyncError
+from dsrl.validation.validate import validate
 
 
 class _Actor:

@@ -230,7 +230,7 @@ def test_a_start_up_failure_is_one_line_naming_cause_and_keys_with_the_traceback
     """dsrl.main._starting: a Ray / DeepSpeed / vLLM start-up error becomes one StartupError line
     (printed as `dsrl: ...` by main) naming the cause and the keys to look at; the traceback goes to
     run.log and not to the console. Config errors pass through unchanged."""
-    from dsrl.config.reuse import ConfigError
+    from dsrl.errors import ConfigError
     from dsrl.main import StartupError, _starting
 
     out, paths = _setup(tmp_path)

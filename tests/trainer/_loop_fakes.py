@@ -13,12 +13,12 @@ import threading
 import time
 from typing import List, Optional
 
-from dsrl.config.reuse import decide_reuse
 from dsrl.config.schema import Config
-from dsrl.config.validate import validate
 from dsrl.data.types import user_prompt
 from dsrl.rollout.vllm_worker import Completion
 from dsrl.trainer import Trainer
+from dsrl.validation.reuse import decide_reuse
+from dsrl.validation.validate import validate
 
 
 class ScriptedSource:

@@ -19,12 +19,12 @@ import torch
 
 from dsrl.actor.batch import Sample, collate, masked_rows
 from dsrl.actor.engine import ActorEngine
-from dsrl.config.reuse import decide_reuse
 from dsrl.config.schema import Config
-from dsrl.config.validate import validate
 from dsrl.data.types import user_prompt
 from dsrl.rollout.vllm_worker import Completion
 from dsrl.trainer import Trainer
+from dsrl.validation.reuse import decide_reuse
+from dsrl.validation.validate import validate
 
 LR = 1.0
 # max |gradient| here is ~0.2 for the mean-type loss_agg_modes (~7 for "sum"), so the update

@@ -8,7 +8,7 @@ import pytest
 
 from _loop_fakes import make_cfg, make_trainer
 from dsrl.actor.batch import Sample
-from dsrl.config.reuse import ConfigError
+from dsrl.errors import ConfigError
 from dsrl.rollout.dynamic import collect_rollout, next_round_size
 from dsrl.rollout.seeds import request_seeds
 

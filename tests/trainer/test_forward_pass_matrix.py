@@ -7,13 +7,14 @@ import types
 import pytest
 import torch
 
-from dsrl.config.reuse import ConfigError, ReuseInvariantError, decide_reuse
 from dsrl.config.schema import Config
-from dsrl.config.validate import validate
 from dsrl.data.types import user_prompt
+from dsrl.errors import ConfigError, ReuseInvariantError
 from dsrl.loss.types import LossInputs
 from dsrl.rollout.vllm_worker import Completion
 from dsrl.trainer import Trainer
+from dsrl.validation.reuse import decide_reuse
+from dsrl.validation.validate import validate
 
 
 class FakeWorker:

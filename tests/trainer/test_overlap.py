@@ -13,7 +13,8 @@ import torch
 
 import dsrl.trainer as trainer_module
 from _loop_fakes import ScriptedSource, make_cfg, make_trainer
-from dsrl.config.reuse import ConfigError, decide_reuse
+from dsrl.errors import ConfigError
+from dsrl.validation.reuse import decide_reuse
 
 OVERLAP = {"off_policy_steps": 1, "use_rollout_logprobs": True}
 

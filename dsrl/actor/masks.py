@@ -1,8 +1,8 @@
 """The per-response-token loss mask of a Sample: its model mask for a multi-turn episode (1 =
 sampled by the model, 0 = environment token), all ones for a single-turn completion.
 
-Kept free of other dsrl imports: dsrl.actor.batch (collate) and the trainer use it, and
-dsrl.agent.rollout re-exports it."""
+Kept free of other dsrl imports: the actor's batches (dsrl.actor.batch, dsrl.actor.shared_prompt),
+dynamic sampling (dsrl.rollout.dynamic) and the trainer's stages read it."""
 from __future__ import annotations
 
 import torch

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 from typing import Any, List, Optional
 
-from dsrl.config.reuse import ConfigError, steps_per_rollout, validate_reuse
 from dsrl.config.schema import Config
+from dsrl.errors import ConfigError
+from dsrl.validation.reuse import steps_per_rollout, validate_reuse
 
 _CHOICES = {
     "algo.reuse_logprobs": ("off", "on", "auto", "adaptive"),

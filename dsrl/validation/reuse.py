@@ -25,13 +25,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, List
 
-from dsrl.config.errors import ConfigError  # noqa: F401  (raised here; importers take it from here too)
 from dsrl.config.schema import Config
-
-
-class ReuseInvariantError(RuntimeError):
-    """Reuse was decided but the data in hand breaks its exactness (a named runtime guard,
-    not an `assert`, so that `python -O` keeps it)."""
+from dsrl.errors import ConfigError, ReuseInvariantError
 
 
 def steps_per_rollout(cfg: Config) -> int:
