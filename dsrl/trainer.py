@@ -64,7 +64,7 @@ class Trainer:
         self.weight_sync = WeightSync(actor, worker, cfg.rollout, memory=self.memory, schedule=self.state.sync)
         self.rollout = RolloutStage(cfg, worker=worker, tokenizer=tokenizer, source=source, verifier=self.verifier,
                                     prompt_ids_fn=prompt_ids_fn, state=self.state)
-        self.critic_update = (CriticUpdate(cfg, critic, pad_id=pad_id, skips=self.state.critic_skips)
+        self.critic_update = (CriticUpdate(cfg, critic, pad_id=pad_id, algo=self.algo, skips=self.state.critic_skips)
                               if critic is not None else None)
         self.scoring = ScoringPasses(cfg, actor=actor, ref=ref, teacher=teacher, critic_update=self.critic_update,
                                      decision=decision, pad_id=pad_id, algo=self.algo,
@@ -192,7 +192,7 @@ class Trainer:
             if self.critic_update is not None:  # every sample: a zero advantage is no zero value loss
                 fields = {"returns": list(scored.data["returns"])[lo:hi], "old_values": list(scored.data["values"])[lo:hi]}
                 with self.timer.phase("critic_train"):
-                    m.update(self.critic_update.step(samples[lo:hi], fields, self.algo, step=step))
+                    m.update(self.critic_update.step(samples[lo:hi], fields, step=step))
             with self.timer.phase("train"):
                 idx = [i for i in scored.trained if lo <= i < hi]
                 m.update(self.policy.step([samples[i] for i in idx],
