@@ -64,7 +64,7 @@ class Trainer:
         self.weight_sync = WeightSync(actor, worker, cfg.rollout, memory=self.memory, schedule=self.state.sync)
         self.rollout = RolloutStage(cfg, worker=worker, tokenizer=tokenizer, source=source, verifier=self.verifier,
                                     prompt_ids_fn=prompt_ids_fn, state=self.state)
-        self.critic_update = (CriticUpdate(cfg, critic, pad_id=pad_id, skips=self.state.critic_skips)
+        self.critic_update = (CriticUpdate(cfg, critic, pad_id=pad_id, algo=self.algo, skips=self.state.critic_skips)
                               if critic is not None else None)
         self.scoring = ScoringPasses(cfg, actor=actor, ref=ref, teacher=teacher, critic_update=self.critic_update,
                                      decision=decision, pad_id=pad_id, algo=self.algo,
@@ -78,6 +78,7 @@ class Trainer:
         say = log.info if is_main_rank() else log.debug  # one copy of each line, from rank 0
         say(self.decision.reason)
         say(self.scoring.skip_reason)
+        self.logger.open()  # TensorBoard and W&B start with the loop (restore() has started a resumed run's)
         summary = {}
         if cfg.trainer.eval_before and self.start_step == 0:
             summary.update({f"{k}_before": v for k, v in self.evaluate().items()})
@@ -124,24 +125,27 @@ class Trainer:
             **({"storage": "node_local"} if self.cfg.trainer.checkpoint_storage == "node_local" else {}),
             **({"critic": self.critic} if self.critic is not None else {}),  # gae: the critic's DeepSpeed state
             rank_state=self.state.state_dict(),
-            shared={"metrics": self.logger.history, "config": config_record(self.cfg),
-                    "hardware_auto": list(self.hardware_auto)})
+            shared={"metrics": self.logger.history, "wandb_run_id": self.logger.wandb_run_id,
+                    "config": config_record(self.cfg), "hardware_auto": list(self.hardware_auto)})
         if is_main_rank():
             log.info("checkpoint of step %d: %s (%.1f s)", step, folder, seconds)
         return folder
 
     def restore(self, folder: str) -> int:
-        """Continue from a checkpoint: weights, optimizer, RNGs, the loop state, metrics so far; the
-        rollout engine gets the restored weights. Returns the checkpoint's step."""
+        """Continue from a checkpoint: weights, optimizer, RNGs, the loop state, metrics so far (and
+        their W&B run); the rollout engine gets the restored weights. Returns the checkpoint's step."""
         shared = read_shared_state(folder)
         self.actor.load_checkpoint(folder)
         if self.critic is not None:
             self.critic.load_checkpoint(folder)
         state = load_rank_state(folder)
+        self.start_step = int(shared["step"])
+        # TensorBoard and W&B continue the checkpoint's run (started before the RNGs are restored,
+        # as a fresh run's are before it draws); a checkpoint written before the W&B run's id
+        # was kept starts a new W&B run.
+        self.logger.restore(shared["metrics"], step=self.start_step, wandb_run_id=shared.get("wandb_run_id"))
         restore_rng(state["rng"])
         self.state.load_state_dict(state["trainer"])  # a field an older checkpoint lacks keeps its fresh value
-        self.logger.restore(shared["metrics"])
-        self.start_step = int(shared["step"])
         self.weight_sync.push(self.start_step, scheduled=False)  # checked, not counted: the uninterrupted run made no such push
         self.state.weights_step = self.start_step
         if is_main_rank():
@@ -188,7 +192,7 @@ class Trainer:
             if self.critic_update is not None:  # every sample: a zero advantage is no zero value loss
                 fields = {"returns": list(scored.data["returns"])[lo:hi], "old_values": list(scored.data["values"])[lo:hi]}
                 with self.timer.phase("critic_train"):
-                    m.update(self.critic_update.step(samples[lo:hi], fields, self.algo, step=step))
+                    m.update(self.critic_update.step(samples[lo:hi], fields, step=step))
             with self.timer.phase("train"):
                 idx = [i for i in scored.trained if lo <= i < hi]
                 m.update(self.policy.step([samples[i] for i in idx],

@@ -86,12 +86,18 @@ def empty_microbatch(pad_id: int, fields=()) -> dict:
     return mb
 
 
+def rank_padding(count: int, *, at_least: int = 1) -> int:
+    """How many empty microbatches a rank with `count` of its own runs so that every rank runs
+    the same number of forward/backward calls (ZeRO collectives): the largest count of any rank
+    (at least `at_least`) minus `count`. Collective."""
+    return max(at_least, int(all_reduce_max(count))) - count
+
+
 def pad_to_largest_rank(mbs: list, pad_id: int, fields=()) -> list:
     """`mbs` (this rank's microbatches) padded with empty ones (`empty_microbatch`, one zero
-    tensor per name in `fields`) to the largest count of any rank, at least one: every rank runs
-    the same number of forward/backward calls (ZeRO collectives). Collective."""
-    n_mb = max(1, int(all_reduce_max(len(mbs))))
-    return list(mbs) + [empty_microbatch(pad_id, fields) for _ in range(n_mb - len(mbs))]
+    tensor per name in `fields`) to the largest count of any rank, at least one (`rank_padding`).
+    Collective."""
+    return list(mbs) + [empty_microbatch(pad_id, fields) for _ in range(rank_padding(len(mbs)))]
 
 
 def masked_rows(values: torch.Tensor, mask: torch.Tensor) -> list:

@@ -33,7 +33,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from dsrl.actor.batch import empty_microbatch
+from dsrl.actor.batch import empty_microbatch, rank_padding
 from dsrl.distributed.collectives import all_reduce_
 from dsrl.loss import tinker as tinker_losses
 from dsrl.loss.registry import OBJECTIVES, ObjectiveSpec
@@ -244,13 +244,8 @@ class TrainingSession:
         mbs = self.micro_batch_size
         chunks = [list(range(s, min(s + mbs, len(prepared)))) for s in range(0, len(prepared), mbs)]
         n_local = len(chunks)
-        n_global = n_local
-        dist = torch.distributed
-        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if multi:
-            t = torch.tensor([n_local], dtype=torch.long)
-            all_reduce_(t, op=dist.ReduceOp.MAX)  # NCCL-safe (dsrl.distributed.collectives)
-            n_global = int(t.item())
+        # Collated one at a time in the loop below. A request with no datum on any rank runs none.
+        n_global = n_local + rank_padding(n_local, at_least=0)
 
         outputs: list = [None] * len(prepared)
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -271,6 +266,5 @@ class TrainingSession:
                 outputs[i] = {"logprobs": rec["logprobs"].to("cpu", torch.float32).clone()}  # host, whatever the device
                 if rec.get("elementwise_loss") is not None:  # a custom objective may not give it
                     outputs[i]["elementwise_loss"] = rec["elementwise_loss"].to("cpu", torch.float32).clone()
-        if multi:
-            all_reduce_(loss_sum, op=dist.ReduceOp.SUM)
+        all_reduce_(loss_sum)  # the sum over ranks (a no-op on one)
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": float(loss_sum.item())})

@@ -2,24 +2,35 @@
 failed rewards (dsrl.rollout.rewards)."""
 from __future__ import annotations
 
+from typing import Dict, Mapping, Optional, Protocol, runtime_checkable
+
 import torch
 
 from dsrl.distributed.collectives import all_reduce_
 
 
-def fault_metrics(*sources) -> dict:
-    """Sum each source's counters over ranks: a dict of counts taken earlier, or an object whose
-    `pop_metrics()` gives them now (objects without one are ignored). Collective: every rank
-    passes sources of the same kinds."""
-    local: dict = {}
+@runtime_checkable
+class FaultCounter(Protocol):
+    """What counts faults between steps (a resilient rollout worker, Ray's engines, the reward
+    guard): `pop_metrics` gives the counts since its last call and starts them again."""
+
+    def pop_metrics(self) -> Dict[str, float]: ...
+
+
+def pop_counts(*sources: FaultCounter, taken: Optional[Mapping[str, float]] = None) -> Dict[str, float]:
+    """The counters of `sources`, popped now and summed by name, added to `taken` (counts popped
+    earlier). This rank's own: nothing is reduced."""
+    counts = dict(taken or {})
     for source in sources:
-        if isinstance(source, dict):
-            counts = source
-        else:
-            pop = getattr(source, "pop_metrics", None)
-            counts = pop() if pop is not None else {}
-        for name, value in counts.items():
-            local[name] = local.get(name, 0.0) + float(value)
+        for name, value in source.pop_metrics().items():
+            counts[name] = counts.get(name, 0.0) + float(value)
+    return counts
+
+
+def fault_metrics(taken: Mapping[str, float], *sources: FaultCounter) -> dict:
+    """`taken` (counts popped earlier) and the counters of `sources` popped now (`pop_counts`),
+    summed over ranks. Collective: every rank passes sources of the same kinds."""
+    local = pop_counts(*sources, taken=taken)
     names = sorted(local)
     if not names:
         return {}

@@ -16,8 +16,8 @@ CRITIC_FIELDS = ("returns", "old_values")
 
 
 class CriticUpdate:
-    def __init__(self, cfg, critic, *, pad_id: int, skips: SkipCounter):
-        self.cfg, self.critic, self.pad_id, self.skips = cfg, critic, pad_id, skips
+    def __init__(self, cfg, critic, *, pad_id: int, algo: dict, skips: SkipCounter):
+        self.cfg, self.critic, self.pad_id, self.algo, self.skips = cfg, critic, pad_id, algo, skips
         self.micro_batch_size = cfg.critic.micro_batch_size or cfg.actor.micro_batch_size
 
     def values(self, samples: List[Sample]) -> list:
@@ -31,7 +31,7 @@ class CriticUpdate:
             out.extend(masked_rows(v, mb.get("response_mask", mb["loss_mask"])))
         return out
 
-    def step(self, samples: List[Sample], fields: dict, algo: dict, *, step: int) -> dict:
+    def step(self, samples: List[Sample], fields: dict, *, step: int) -> dict:
         """One critic optimizer step on `samples` (returns, old_values per token), normalized by
         the step's global counts like the policy loss (algo.loss_agg_mode); every rank runs the
         same number of microbatches. A non-finite step is skipped and counted (critic/skipped_steps);
@@ -42,6 +42,6 @@ class CriticUpdate:
         mbs = pad_to_largest_rank(mbs, self.pad_id, CRITIC_FIELDS)
         reduction = Reduction(a.loss_agg_mode, global_tokens=tokens, global_seqs=seqs,
                               norm_len=float(self.cfg.rollout.max_new_tokens))
-        metrics = self.critic.train_step(mbs, algo, reduction, loss=self.cfg.critic.loss)
+        metrics = self.critic.train_step(mbs, self.algo, reduction, loss=self.cfg.critic.loss)
         self.skips.record(self.critic.last_step_skipped, step)
         return metrics

@@ -14,7 +14,7 @@ from dsrl.data.registry import source_metrics
 from dsrl.distributed.collectives import all_reduce_max, all_reduce_sum
 from dsrl.distributed.ranks import global_rank, is_main_rank, world_size
 from dsrl.rollout.dynamic import Rollout, collect_rollout
-from dsrl.rollout.faults import fault_metrics
+from dsrl.rollout.faults import FaultCounter, fault_metrics, pop_counts
 from dsrl.rollout.samples import generate_samples
 from dsrl.rollout.seeds import request_seeds
 from dsrl.stages.state import LoopState
@@ -26,6 +26,9 @@ class RolloutStage:
     def __init__(self, cfg, *, worker, tokenizer, source, verifier, prompt_ids_fn, state: LoopState):
         self.cfg, self.worker, self.tokenizer, self.source = cfg, worker, tokenizer, source
         self.verifier, self.prompt_ids, self.state = verifier, prompt_ids_fn, state
+        # What counts faults: the reward guard, and the worker when it is resilient (dsrl.rollout.factory's
+        # workers are; a bare engine counts nothing).
+        self.fault_counters = tuple(c for c in (worker, verifier) if isinstance(c, FaultCounter))
         # Divisibility by the world size is checked by dsrl.validation.validate before anything loads.
         self.prompts_per_rank = cfg.algo.rollout_batch_size // world_size()
 
@@ -77,10 +80,7 @@ class RolloutStage:
         out.weights_step, out.seconds = weights_step, time.perf_counter() - t0
         # This rank's fault counts, taken now: under overlap the next rollout starts before this
         # one's step logs its metrics.
-        for counter in (self.worker, self.verifier):
-            pop = getattr(counter, "pop_metrics", None)
-            for name, value in (pop() if pop is not None else {}).items():
-                out.fault_counts[name] = out.fault_counts.get(name, 0.0) + float(value)
+        out.fault_counts = pop_counts(*self.fault_counters)
         out.source_metrics = source_metrics(self.source)
         out.source_metrics.update(mean_episode_metrics(episodes))  # agent/*: this rank's episodes, every round
         return out
@@ -93,7 +93,7 @@ class RolloutStage:
         a = self.cfg.algo
         tot = all_reduce_sum([rollout.reward_sum, rollout.generated, rollout.length_sum])
         out = dict(rollout.source_metrics)
-        out.update(fault_metrics(rollout.fault_counts, self.worker, self.verifier))
+        out.update(fault_metrics(rollout.fault_counts, *self.fault_counters))
         out["rollout/staleness"] = float(step - 1 - rollout.weights_step)
         out["timing/generation"] = all_reduce_max(rollout.seconds)
         if a.dynamic_sampling:

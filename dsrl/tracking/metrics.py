@@ -117,28 +117,28 @@ class MetricsLogger:
         quiet: bool = True,
     ) -> None:
         """``enabled`` defaults to ``is_main_rank()`` evaluated now. With ``wandb`` the same
-        scalars also go to a W&B run (files under ``<run_dir>/wandb``, ``config`` attached)."""
+        scalars also go to a W&B run (files under ``<run_dir>/wandb``, ``config`` attached).
+
+        The TensorBoard writer and the W&B run start at ``open`` (the first ``log`` calls it), so
+        that a ``restore`` before it continues the checkpoint's run in both."""
         self.run_dir = Path(run_dir)
         self.enabled = is_main_rank() if enabled is None else bool(enabled)
         self.history: List[Dict[str, Any]] = []
         self._file = None
+        self._tensorboard = tensorboard
         self._writer = None
         self.wandb = None
+        self._opened = False
         self._closed = False
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.metrics_path, "a", encoding="utf-8")
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
         if wandb:
             from dsrl.tracking.wandb_sink import WandbSink
 
             self.wandb = WandbSink(self.run_dir, project=wandb_project, mode=wandb_mode, config=config,
                                    name=name, quiet=quiet)
-            log.info("W&B: %s run in %s (%s)", self.wandb.mode, self.wandb.run_dir, self.wandb.reason)
 
     @classmethod
     def from_config(cls, run_dir: "str | os.PathLike[str]", cfg: Any) -> "MetricsLogger":
@@ -155,6 +155,33 @@ class MetricsLogger:
     @property
     def tensorboard_dir(self) -> Path:
         return self.run_dir / TENSORBOARD_DIRNAME
+
+    @property
+    def wandb_run_id(self) -> Optional[str]:
+        """The id of the W&B run (what a checkpoint keeps for a resume to continue); None
+        without W&B or before ``open``."""
+        return None if self.wandb is None or self.wandb.run is None else self.wandb.run.id
+
+    def open(self) -> None:
+        """Start the TensorBoard writer and the W&B run of a new run (a no-op once started, by
+        this, ``log`` or ``restore``)."""
+        self._open(purge_step=None, wandb_run_id=None)
+
+    def _open(self, *, purge_step: Optional[int], wandb_run_id: Optional[str]) -> None:
+        """``purge_step``: TensorBoard hides this log folder's earlier events from that step on
+        (a crashed run's steps after its checkpoint, redone now). ``wandb_run_id``: the W&B run
+        to continue."""
+        if not self.enabled or self._opened:
+            return
+        self._opened = True
+        if self._tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=purge_step)
+        if self.wandb is not None:
+            self.wandb.open(resume_id=wandb_run_id)
+            log.info("W&B: %s run %s%s in %s (%s)", self.wandb.mode, self.wandb.run.id,
+                     " (continued)" if wandb_run_id is not None else "", self.wandb.run_dir, self.wandb.reason)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
         """Record ``metrics`` for ``step``; returns the written record (None when disabled).
@@ -187,6 +214,7 @@ class MetricsLogger:
         if nonfinite:
             warnings.warn(f"step {step}: non-finite metrics logged as null: {', '.join(nonfinite)}",
                           RuntimeWarning, stacklevel=2)
+        self.open()
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._writer is not None:
@@ -198,10 +226,16 @@ class MetricsLogger:
         self.history.append(record)
         return record
 
-    def restore(self, history: List[Dict[str, Any]]) -> None:
-        """Continue a run from a checkpoint: the history becomes the records saved with it, and
-        ``metrics.jsonl`` is rewritten to hold exactly those (a crashed run may have logged steps
-        after its last checkpoint; they are redone). TensorBoard keeps its own events."""
+    def restore(self, history: List[Dict[str, Any]], *, step: int, wandb_run_id: Optional[str]) -> None:
+        """Continue a run from the checkpoint of ``step``: the history becomes the records saved
+        with it, and ``metrics.jsonl`` is rewritten to hold exactly those (a crashed run may have
+        logged steps after its last checkpoint; they are redone). TensorBoard drops the crashed
+        run's events after ``step`` (``purge_step``); the W&B run ``wandb_run_id`` (None: a new
+        run) is continued, and the restored records are not sent to it again (W&B ignores a step
+        below the last it holds, so the crashed run's steps after ``step`` keep their values there:
+        an exact resume logs the same ones, timings aside). Before the first ``log``."""
+        if self._opened:
+            raise RuntimeError("MetricsLogger.restore after the logger started (open or log)")
         self.history = [dict(r) for r in history]
         if not self.enabled:
             return
@@ -210,6 +244,7 @@ class MetricsLogger:
             for record in self.history:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
         self._file = open(self.metrics_path, "a", encoding="utf-8")
+        self._open(purge_step=step + 1, wandb_run_id=wandb_run_id)
 
     def summary_line(self, step: int, metrics: Mapping[str, Optional[float]]) -> str:
         """See ``format_summary``; works on every rank (it writes nothing)."""

@@ -71,24 +71,39 @@ def resolve_wandb_mode(mode: str, *, timeout: float = 3.0) -> tuple[str, str]:
 
 
 class WandbSink:
-    """One W&B run: config attached at start, one `log` per step, `close` finishes it."""
+    """One W&B run: `open` starts it (a new run, or the run a checkpoint names, continued), config
+    attached at start, one `log` per step, `close` finishes it."""
 
     def __init__(self, run_dir: "str | os.PathLike[str]", *, project: str, mode: str = "auto",
                  config: Optional[Mapping[str, Any]] = None, name: Optional[str] = None, quiet: bool = True):
+        self.mode, self.reason = resolve_wandb_mode(mode)
+        self.root = Path(run_dir)
+        self.project, self.config, self.name, self.quiet = project, dict(config or {}), name, quiet
+        self.run = None  # started by open()
+
+    def open(self, resume_id: Optional[str] = None) -> None:
+        """Start the run. `resume_id`: continue the W&B run of that id (resume="allow": W&B
+        appends to it, and starts it under that id when it never reached W&B). Offline, the
+        continuation is a folder of its own under the same id, which `wandb sync` appends."""
         import wandb
 
-        self.mode, self.reason = resolve_wandb_mode(mode)
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        if self.run is not None:
+            raise RuntimeError("the W&B run is already open")
+        self.root.mkdir(parents=True, exist_ok=True)
         # console="off": wandb must not wrap stdout/stderr (the console belongs to dsrl's logging).
-        settings = wandb.Settings(console="off", silent=quiet, quiet=quiet)
+        settings = wandb.Settings(console="off", silent=self.quiet, quiet=self.quiet)
         # dsrl makes no LLM-API calls to trace: no Weave auto-init (nor its advert when vLLM
         # imports openai). wandb prints its own notices per setup, so quiet goes there as well.
         os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
-        wandb.setup(settings=wandb.Settings(silent=quiet, quiet=quiet))
-        self.run = wandb.init(project=project, mode=self.mode, dir=str(run_dir), config=dict(config or {}),
-                              name=name, settings=settings, reinit="create_new")
-        self.run_dir = Path(self.run.dir).parent  # <run_dir>/wandb/<offline-run-...>
+        wandb.setup(settings=wandb.Settings(silent=self.quiet, quiet=self.quiet))
+        self.run = wandb.init(project=self.project, mode=self.mode, dir=str(self.root), config=self.config,
+                              name=self.name, settings=settings, reinit="create_new", id=resume_id,
+                              resume="allow" if resume_id is not None else None)
+
+    @property
+    def run_dir(self) -> Path:
+        """The open run's folder: <run_dir>/wandb/<offline-run-...>."""
+        return Path(self.run.dir).parent
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         self.run.log(dict(scalars), step=int(step))

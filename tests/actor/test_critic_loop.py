@@ -96,9 +96,9 @@ def test_ppo_with_critic_in_the_real_loop(tiny_model_path, tmp_path, monkeypatch
         steps[-1]["metrics"] = real_train_on(samples, step)
         return steps[-1]["metrics"]
 
-    def critic_step_spy(samples, fields, algo, *, step):
+    def critic_step_spy(samples, fields, *, step):
         a0, c0 = _snap(actor.module), _snap(critic.module)
-        out = real_critic_step(samples, fields, algo, step=step)
+        out = real_critic_step(samples, fields, step=step)
         assert _same(actor.module, a0) and not _same(critic.module, c0)  # the value loss moves only the critic
         order.append("critic")
         return out
@@ -176,9 +176,9 @@ def test_each_optimizer_step_trains_the_critic_on_its_own_slice(tiny_model_path,
         seen.update({k: [t.clone() for t in data[k]] for k in ("values", "returns")})
         return out
 
-    def critic_step_spy(samples, fields, algo, *, step):
+    def critic_step_spy(samples, fields, *, step):
         calls.append((list(samples), {k: [t.clone() for t in v] for k, v in fields.items()}))
-        return real_critic_step(samples, fields, algo, step=step)
+        return real_critic_step(samples, fields, step=step)
 
     real_train_on = trainer.train_on
 

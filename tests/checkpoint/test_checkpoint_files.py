@@ -164,11 +164,13 @@ def test_rng_state_round_trip():
 
 
 def test_metrics_history_is_rewritten_on_resume(tmp_path):
-    logger = MetricsLogger(tmp_path, tensorboard=False, enabled=True)
+    crashed = MetricsLogger(tmp_path, tensorboard=False, enabled=True)
     for step in (1, 2, 3):  # step 3 ran after the last checkpoint (of step 2), then the run died
-        logger.log(step, {"reward/mean": step / 10})
-    kept = logger.history[:2]
-    logger.restore(kept)
+        crashed.log(step, {"reward/mean": step / 10})
+    kept = crashed.history[:2]
+    crashed.close()
+    logger = MetricsLogger(tmp_path, tensorboard=False, enabled=True)
+    logger.restore(kept, step=2, wandb_run_id=None)
     logger.log(3, {"reward/mean": 0.7})
     logger.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

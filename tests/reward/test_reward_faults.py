@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+from dsrl.rollout.faults import FaultCounter, fault_metrics, pop_counts
 from dsrl.rollout.rewards import RewardGuard
 from dsrl.rollout.samples import generate_samples
 from dsrl.rollout.vllm_worker import Completion
@@ -90,6 +91,29 @@ def test_normal_verifier_rewards_unchanged():
                                top_p=1.0, max_tokens=4, show_progress=False)
     assert [s.reward for s in guarded] == [s.reward for s in plain] == [1.0, 0.25, 1.0, 1.0]
     assert guard.pop_metrics() == {"reward/errors": 0.0, "reward/timeouts": 0.0}
+
+
+def test_fault_counts_are_popped_once_and_summed_by_name():
+    class Restarts:  # a resilient worker's counter
+        def __init__(self):
+            self.restarts = 2
+
+        def pop_metrics(self):
+            out, self.restarts = {"rollout/restarts": float(self.restarts)}, 0
+            return out
+
+    guard = RewardGuard(lambda text, prompt: {"ok": 1.0}[text], 5.0)
+    assert [guard(t, None) for t in ("ok", "boom", "boom")] == [1.0, 0.0, 0.0]
+    worker = Restarts()
+    assert isinstance(guard, FaultCounter) and isinstance(worker, FaultCounter)
+    assert not isinstance(_ListWorker([]), FaultCounter)  # a bare engine counts nothing
+    taken = pop_counts(worker, guard)
+    assert taken == {"rollout/restarts": 2.0, "reward/errors": 2.0, "reward/timeouts": 0.0}
+    assert pop_counts(worker, guard) == {"rollout/restarts": 0.0, "reward/errors": 0.0, "reward/timeouts": 0.0}
+    worker.restarts = 1  # counted after `taken` (a weight push's restart): added to it
+    assert fault_metrics(taken, worker, guard) == {"reward/errors": 2.0, "reward/timeouts": 0.0,
+                                                   "rollout/restarts": 3.0}
+    assert fault_metrics({}) == {}
 
 
 def test_wrap_keeps_a_guard_and_rejects_bad_timeouts():

@@ -1,5 +1,6 @@
 import json
 import math
+import time
 
 import pytest
 
@@ -61,6 +62,38 @@ def test_tensorboard_scalars_read_back(tmp_path):
     assert [s for s, _ in scalars["reward/mean"]] == [0, 1, 2]
     assert [v for _, v in scalars["reward/mean"]] == pytest.approx([0.0, 0.1, 0.2])
     assert scalars["timing/rollout"] == [(0, 2.0), (1, 2.0), (2, 2.0)]
+
+
+def test_tensorboard_after_a_resume_shows_each_step_once_with_the_resumed_values(tmp_path):
+    """A run logs steps 1..5 and dies; its last checkpoint is of step 3. The resumed run redoes
+    4 and 5 (other values) and logs 6: TensorBoard reads every step once, 4 and 5 as redone."""
+    crashed = MetricsLogger(tmp_path, enabled=True)
+    for step in range(1, 6):
+        crashed.log(step, {"reward/mean": float(step), "timing/rollout": 1.0})
+    kept = crashed.history[:3]
+    crashed.close()
+    # An event file's name starts with its second: the resumed run's file sorts after the crashed
+    # run's (as a later process's does), which is the order TensorBoard reads them in.
+    second = int(time.time())
+    while int(time.time()) == second:
+        time.sleep(0.01)
+    resumed = MetricsLogger(tmp_path, enabled=True)
+    resumed.restore(kept, step=3, wandb_run_id=None)
+    for step in (4, 5, 6):
+        resumed.log(step, {"reward/mean": 10.0 * step, "timing/rollout": 2.0})
+    resumed.close()
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    _, scalars = _tb_scalars(tmp_path / "tensorboard")
+    assert scalars["reward/mean"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
+    assert scalars["timing/rollout"] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0)]
+
+
+def test_restore_comes_before_the_first_log(tmp_path):
+    log = MetricsLogger(tmp_path, tensorboard=False, enabled=True)
+    log.log(1, {"x": 1.0})
+    with pytest.raises(RuntimeError, match="restore after the logger started"):
+        log.restore([], step=0, wandb_run_id=None)
+    log.close()
 
 
 def test_bad_inputs_rejected(tmp_path):

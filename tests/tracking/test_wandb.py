@@ -106,6 +106,41 @@ def test_offline_run_holds_logged_values_and_config(tmp_path, monkeypatch):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+def _run_record(path: Path):
+    return next(r.run for r in read_wandb_records(path) if r.WhichOneof("record_type") == "run")
+
+
+def test_a_resumed_logger_continues_the_wandb_run(tmp_path):
+    """A run logs steps 1..5 and dies; its last checkpoint (of step 3) kept the W&B run's id. The
+    resumed logger continues that run: the same id, no other run, steps 4..6 logged once more and
+    nothing of 1..3 sent again. Offline, W&B writes the continuation in a folder of its own (one
+    per process) under the same id, marked as a resume; `wandb sync` appends it to the run."""
+    crashed = MetricsLogger(tmp_path, tensorboard=False, enabled=True, wandb=True, wandb_mode="offline")
+    assert crashed.wandb_run_id is None  # nothing started before the first log
+    for step in range(1, 6):
+        crashed.log(step, {"reward/mean": float(step)})
+    run_id, first_dir = crashed.wandb_run_id, crashed.wandb.run_dir
+    kept = crashed.history[:3]
+    crashed.close()
+
+    resumed = MetricsLogger(tmp_path, tensorboard=False, enabled=True, wandb=True, wandb_mode="offline")
+    resumed.restore(kept, step=3, wandb_run_id=run_id)
+    assert resumed.wandb_run_id == run_id
+    for step in (4, 5, 6):
+        resumed.log(step, {"reward/mean": 10.0 * step})
+    second_dir = resumed.wandb.run_dir
+    resumed.close()
+
+    files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert {f.parent for f in files} == {first_dir, second_dir} and first_dir != second_dir
+    assert {_run_record(f).run_id for f in files} == {run_id}  # no second run
+    assert not _run_record(first_dir / f"run-{run_id}.wandb").resume
+    assert _run_record(second_dir / f"run-{run_id}.wandb").resume
+    rows = _history(read_wandb_records(second_dir / f"run-{run_id}.wandb"))
+    assert [(r["_step"], r["reward/mean"]) for r in rows] == [(4, 40.0), (5, 50.0), (6, 60.0)]
+    assert [r["step"] for r in resumed.history] == [1, 2, 3, 4, 5, 6]
+
+
 def test_from_config_passes_logger_settings(tmp_path):
     from dsrl.config.schema import Config
 

@@ -1,6 +1,7 @@
 """The loop state a checkpoint carries is one object (dsrl.stages.state.LoopState): every field is
 in its state_dict and comes back from load_state_dict, a field added later cannot be left out of
-the checkpoint, and what Trainer.save writes for a rank is exactly that state."""
+the checkpoint, and what Trainer.save writes for a rank is exactly that state. Rank 0's shared
+state names the W&B run, which a restored trainer continues."""
 from __future__ import annotations
 
 import dataclasses
@@ -61,6 +62,37 @@ def test_trainer_save_writes_the_loop_state(tmp_path, monkeypatch):
     t.save(1)
     assert list(written) == CHECKPOINTED and written["weights_step"] == 1
     assert written["prompt_rng"] == t.state.prompt_rng.getstate()
+
+
+def test_the_checkpoint_names_the_wandb_run_and_a_restore_continues_it(tmp_path, monkeypatch):
+    import dsrl.trainer as trainer_module
+
+    saved = {}
+
+    def fake_save(run_dir, step, *, actor, tokenizer, keep, rank_state, shared):
+        saved.update(shared=dict(shared), rank={"trainer": rank_state, "rng": None})
+        return str(tmp_path), 0.0
+
+    monkeypatch.setattr(trainer_module, "save_checkpoint", fake_save)
+    cfg = make_cfg(total_steps=2)
+    cfg.logger = dataclasses.replace(cfg.logger, wandb=True, wandb_mode="offline")
+    first = make_trainer(cfg, tmp_path / "first", [])
+    first.logger.log(1, first.step(1))
+    first.save(1)
+    run_id = first.logger.wandb_run_id
+    assert run_id is not None and saved["shared"]["wandb_run_id"] == run_id
+    first.logger.close()  # the run ends (a crash would leave its W&B run unfinished)
+
+    monkeypatch.setattr(trainer_module, "read_shared_state", lambda folder: {"step": 1, **saved["shared"]})
+    monkeypatch.setattr(trainer_module, "load_rank_state", lambda folder: saved["rank"])
+    monkeypatch.setattr(trainer_module, "restore_rng", lambda state: None)
+    resumed = make_trainer(cfg, tmp_path / "resumed", [])
+    resumed.actor = type("Actor", (), {"load_checkpoint": lambda self, folder: None})()
+    assert resumed.logger.wandb_run_id is None  # built: no W&B run yet
+    resumed.restore(str(tmp_path))
+    assert resumed.logger.wandb_run_id == run_id
+    resumed.fit()
+    assert [r["step"] for r in resumed.logger.history] == [1, 2]
 
 
 def _roundtrip(state):
