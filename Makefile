@@ -4,6 +4,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dsrl-setup
 ARGS ?=
 PYTEST_ARGS ?=
+# Two pytest workers (pytest-xdist): a test file stays on one worker, the heaviest files start first
+# (tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 export RAY_AUTH_MODE ?= disabled
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
@@ -22,10 +26,10 @@ train-2rank: setup
 	$(VENV)/bin/deepspeed --num_gpus 2 --master_port 29531 --module dsrl.main +exp=grpo_reuse $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 bench-reuse: setup
 	$(PY) bench/bench_reuse.py $(ARGS)
