@@ -483,20 +483,14 @@ class ActorEngine:
         return dict(self.export_named_tensors(copy=True, device="cpu"))
 
     def save_hf(self, out_dir: str, tokenizer=None) -> None:
-        """Write a transformers-loadable folder (safetensors) from rank 0."""
-        from safetensors.torch import save_file
+        """Write a transformers-loadable folder (dsrl.hf_folder) from rank 0."""
+        from dsrl.hf_folder import write_hf_folder
 
         state = self.state_dict_for_export()
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank == 0:
-            os.makedirs(out_dir, exist_ok=True)
-            self.hf_config.save_pretrained(out_dir)
-            save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-            gen = getattr(self.module, "generation_config", None)
-            if gen is not None:
-                gen.save_pretrained(out_dir)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(out_dir)
+            write_hf_folder(out_dir, state, self.hf_config, tokenizer=tokenizer,
+                            generation_config=getattr(self.module, "generation_config", None))
         if self.lora is not None:  # the weights above are merged; the adapter alone beside them
             self.save_adapter(os.path.join(out_dir, LORA_ADAPTER_DIR))
         if torch.distributed.is_initialized():
