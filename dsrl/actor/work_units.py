@@ -250,9 +250,6 @@ class TrainingSession:
                 continue
             loss_sum += out.metrics["loss:sum"].detach().to("cpu", torch.float64)
             for rec in out.per_datum:
-                i = int(rec["sample_index"])
-                outputs[i] = {"logprobs": rec["logprobs"].to("cpu", torch.float32).clone()}  # host, whatever the device
-                if rec.get("elementwise_loss") is not None:  # a custom objective may not give it
-                    outputs[i]["elementwise_loss"] = rec["elementwise_loss"].to("cpu", torch.float32).clone()
+                outputs[int(rec["sample_index"])] = tinker_losses.datum_output(rec)
         all_reduce_(loss_sum)  # the sum over ranks (a no-op on one)
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": float(loss_sum.item())})
