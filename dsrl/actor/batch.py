@@ -27,6 +27,26 @@ class Sample:
     extra: dict = field(default_factory=dict)  # an episode's extra["model_mask"] is its loss mask
 
 
+def dense_rows(rows: Sequence[Optional[torch.Tensor]], width: int, *, fill=0, dtype=torch.float32,
+               starts: Optional[Sequence[int]] = None, lengths: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """The dense, right-padded layout of a microbatch field: a [len(rows), width] tensor of
+    `fill` with row b's values in columns starts[b] .. starts[b] + lengths[b] (defaults: column 0
+    and the row's own length). A None row stays `fill`."""
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    for b, row in enumerate(rows):
+        if row is not None:
+            start = 0 if starts is None else int(starts[b])
+            out[b, start: start + (len(row) if lengths is None else int(lengths[b]))] = row
+    return out
+
+
+def dense_tokens(rows: Sequence[torch.Tensor], pad_id: int, width: int) -> tuple:
+    """`input_ids` [B, width] (each row's token ids, right-padded with `pad_id`) and its
+    `attention_mask` (1 on each row's tokens)."""
+    ones = [torch.ones(len(r), dtype=torch.long) for r in rows]
+    return dense_rows(rows, width, fill=pad_id, dtype=torch.long), dense_rows(ones, width, dtype=torch.long)
+
+
 def collate(samples: Sequence[Sample], pad_id: int, token_fields: Optional[dict] = None) -> dict:
     """Pack samples into one microbatch dict of tensors.
 
@@ -35,40 +55,39 @@ def collate(samples: Sequence[Sample], pad_id: int, token_fields: Optional[dict]
     the samples themselves. `loss_mask` is 1 on the tokens the model sampled (an episode's
     environment tokens are 0: dsrl.actor.masks), `response_mask` on every response token (the
     columns per-response-token fields occupy: scored rows are read back under it)."""
-    lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    T = max(lens)
-    B = len(samples)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, T), dtype=torch.long)
-    loss_mask = torch.zeros((B, T - 1), dtype=torch.float32)
-    response_mask = torch.zeros((B, T - 1), dtype=torch.float32)
-    out = {name: torch.zeros((B, T - 1), dtype=torch.float32) for name in (token_fields or {})}
-    rollout_lp = torch.zeros((B, T - 1), dtype=torch.float32)
-    for b, s in enumerate(samples):
+    T = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    ids, model_masks, starts, lens = [], [], [], []
+    for s in samples:
         P, R = len(s.prompt_ids), len(s.response_ids)
         if P < 1:
             raise ValueError(f"sample {s.index}: empty prompt")
-        input_ids[b, : P + R] = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
-        attention_mask[b, : P + R] = 1
-        loss_mask[b, P - 1: P - 1 + R] = response_loss_mask(s)
-        response_mask[b, P - 1: P - 1 + R] = 1.0
-        if R:
-            rollout_lp[b, P - 1: P - 1 + R] = torch.as_tensor(s.rollout_log_probs, dtype=torch.float32)
-        for name, per_sample in (token_fields or {}).items():
-            v = per_sample[b]
-            if v is not None and R:
-                out[name][b, P - 1: P - 1 + R] = torch.as_tensor(v, dtype=torch.float32).reshape(-1)[:R]
+        ids.append(torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long))
+        model_masks.append(response_loss_mask(s))
+        starts.append(P - 1)  # response token k sits at column P-1+k
+        lens.append(R)
+
+    def response_field(rows) -> torch.Tensor:  # float32 [B, T-1], each row in its response columns
+        return dense_rows(rows, T - 1, starts=starts, lengths=lens)
+
+    input_ids, attention_mask = dense_tokens(ids, pad_id, T)
     batch = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "targets": input_ids[:, 1:].clone(),
-        "loss_mask": loss_mask,
-        "response_mask": response_mask,
-        "rollout_log_probs": rollout_lp,
+        "loss_mask": response_field(model_masks),
+        "response_mask": response_field([torch.ones(R, dtype=torch.float32) for R in lens]),
+        "rollout_log_probs": response_field([torch.as_tensor(s.rollout_log_probs, dtype=torch.float32) if R else None
+                                             for s, R in zip(samples, lens)]),
         "sample_indices": [s.index for s in samples],
     }
-    batch.update(out)
+    for name, per_sample in (token_fields or {}).items():
+        batch[name] = response_field([_response_values(per_sample[b], R) for b, R in enumerate(lens)])
     return batch
+
+
+def _response_values(v, R: int) -> Optional[torch.Tensor]:
+    """A token field's values for a response of R tokens (None: none given, or no response)."""
+    return torch.as_tensor(v, dtype=torch.float32).reshape(-1)[:R] if v is not None and R else None
 
 
 def empty_microbatch(pad_id: int, fields=()) -> dict:

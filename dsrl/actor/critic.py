@@ -13,14 +13,12 @@ manual accumulation boundary, so the gradient is that of the global value loss w
 microbatch or rank split."""
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Iterable, List, Mapping, Optional
 
 import torch
 
-from dsrl.actor.device import to_device, to_host
-from dsrl.actor.engine import _DTYPES, build_ds_config, init_distributed
-from dsrl.actor.nonfinite import guarded_step
+from dsrl.actor.device import to_device
+from dsrl.actor.engine import _DTYPES, DeepSpeedModel, build_ds_config, init_distributed, load_pretrained
 from dsrl.actor.optim import adamw, skip_single_rank_allreduce
 from dsrl.actor.shared_prompt import additive_mask, is_shared_prompt_batch
 from dsrl.loss.types import Reduction
@@ -57,9 +55,12 @@ def _fresh_head(head: torch.nn.Linear, hidden_size: int) -> None:
         head.bias.zero_()
 
 
-class CriticEngine:
+class CriticEngine(DeepSpeedModel):
     """A DeepSpeed-wrapped value model: `values` (forward-only) and `train_step` (value loss ->
     backward -> optimizer step)."""
+
+    ds_tag = _DS_TAG
+    checkpoint_name = "critic"
 
     def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "float32",
                  attn_implementation: str = "eager", lr: float = 1e-5, betas: Iterable[float] = (0.9, 0.999),
@@ -78,21 +79,9 @@ class CriticEngine:
                                     node_local_storage=node_local_checkpoints)
         self.ds_config = ds_config
         hf_config = AutoConfig.from_pretrained(model_path)
-        hf_ds = None
-        if zero_stage == 3:  # as the actor: transformers loads into partitioned parameters
-            from transformers.integrations import HfDeepSpeedConfig
-
-            hf_ds = HfDeepSpeedConfig(ds_config)
-        try:
-            # AutoModel on a causal-LM folder loads the base model and leaves the LM head out.
-            backbone = AutoModel.from_pretrained(model_path, config=hf_config, dtype=_DTYPES[dtype],
-                                                 attn_implementation=attn_implementation)
-        finally:
-            if hf_ds is not None:
-                from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-                unset_hf_deepspeed_config()
-                del hf_ds
+        # AutoModel on a causal-LM folder loads the base model and leaves the LM head out.
+        backbone = load_pretrained(AutoModel, model_path, ds_config, zero_stage, config=hf_config,
+                                   dtype=_DTYPES[dtype], attn_implementation=attn_implementation)
         if gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         hidden = int(hf_config.hidden_size)
@@ -103,14 +92,6 @@ class CriticEngine:
         optimizer = adamw(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         skip_single_rank_allreduce(self.engine)
-
-    @property
-    def module(self) -> ValueModel:
-        return self.engine.module
-
-    @property
-    def dp_world_size(self) -> int:
-        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
     # ------------------------------------------------------------------ forward
     def _values(self, mb: Mapping) -> torch.Tensor:
@@ -123,22 +104,10 @@ class CriticEngine:
         index = mb["logit_index"].to(v.device)
         return v.reshape(-1).index_select(0, index.reshape(-1)).view(index.shape)
 
-    @torch.no_grad()
     def values(self, microbatches: Iterable[Mapping], *, progress=None) -> List[torch.Tensor]:
         """Forward-only values of each microbatch (0 off the loss mask), on the host: the `values`
         GAE reads and the `old_values` the clipped value loss keeps V near."""
-        was_training = self.module.training
-        self.module.eval()
-        out = []
-        try:
-            for mb in microbatches:
-                mb = to_device(mb, self.engine.device)
-                out.append((self._values(mb) * mb["loss_mask"]).detach())
-                if progress is not None:
-                    progress.update(1)
-        finally:
-            self.module.train(was_training)
-        return to_host(out)
+        return self._forward_only(microbatches, self._values, progress)
 
     # ------------------------------------------------------------------ training
     def forward_backward(self, mb: Mapping, loss_fn: ValueLoss, config: Mapping, reduction: Reduction, *,
@@ -176,33 +145,8 @@ class CriticEngine:
         metrics["critic/grad_norm"] = grad_norm
         return metrics
 
-    def optimizer_step(self) -> float:
-        """Apply the accumulated gradient; the global grad norm before clipping. Skipped (NaN,
-        `last_step_skipped`) when any rank saw a non-finite loss or gradient. Collective."""
-        bad_loss, self._nonfinite_loss = self._nonfinite_loss, False
-        norm, self.last_step_skipped = guarded_step(self.engine, self.zero_stage, bad_loss)
-        return norm
-
-    # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, folder: str) -> None:
-        """DeepSpeed checkpoint of the critic (module, optimizer) into `folder`/critic. Collective."""
-        self.engine.save_checkpoint(folder, tag=_DS_TAG, save_latest=False)
-
-    def load_checkpoint(self, folder: str) -> None:
-        path, _ = self.engine.load_checkpoint(folder, tag=_DS_TAG)
-        if path is None:
-            raise FileNotFoundError(f"no critic checkpoint under {folder}/{_DS_TAG}")
-
-    @contextlib.contextmanager
-    def full_parameters(self):
-        """Full (gathered) parameters; a no-op below ZeRO-3."""
-        if self.zero_stage == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
-                yield
-        else:
-            yield
+    # optimizer_step, save_checkpoint (into `folder`/critic), load_checkpoint and full_parameters:
+    # DeepSpeedModel's.
 
 
 def build_critic(cfg, model_path: str, *, dtype: str, attn_implementation: str,

@@ -3,6 +3,7 @@
 It does three things: forward-only scoring of target tokens (old / reference / teacher passes),
 the training microbatch (forward -> objective from the loss registry -> backward), and weight
 export (full weights gathered under ZeRO-3) for the rollout push and the final checkpoint.
+What it does alike with the critic (dsrl.actor.critic) lives in their base, `DeepSpeedModel`.
 
 Gradient scaling: objectives return *partial sums* that add up across microbatches and ranks
 to the global loss (see dsrl.loss.types.Aggregator; callers pass a `Reduction`, the counts,
@@ -99,7 +100,103 @@ def build_ds_config(zero_stage: int, micro_batch_size: int, *, dtype: str = "flo
     }
 
 
-class ActorEngine:
+def load_pretrained(auto_class, model_path: str, ds_config: dict, zero_stage: int, **kwargs) -> torch.nn.Module:
+    """``auto_class.from_pretrained(model_path, **kwargs)``, ZeRO-3 aware: transformers must
+    know, so that it builds the model under zero.Init *and* loads the checkpoint into the
+    partitioned parameters (a bare zero.Init context leaves every weight size-0 and the load
+    fails). The HF flag is process-global: it is unset right after loading so a later
+    non-ZeRO-3 engine in the same process is built normally."""
+    hf_ds = None
+    if zero_stage == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds = HfDeepSpeedConfig(ds_config)
+    try:
+        return auto_class.from_pretrained(model_path, **kwargs)
+    finally:
+        if hf_ds is not None:
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+            del hf_ds
+
+
+class DeepSpeedModel:
+    """What the actor and the critic engines do alike on their DeepSpeed engine: eval-mode
+    forward-only passes, the guarded optimizer step, the DeepSpeed checkpoint of sub-folder
+    ``ds_tag`` and the full (gathered) parameters. A subclass sets ``engine`` (the DeepSpeed
+    engine), ``zero_stage``, ``_nonfinite_loss`` (a microbatch loss since the last step was
+    NaN/inf on this rank) and ``last_step_skipped`` (the last optimizer_step() skipped a
+    non-finite step)."""
+
+    ds_tag = _DS_TAG  # sub-folder of a dsrl checkpoint holding this engine's DeepSpeed files
+    checkpoint_name = "DeepSpeed"  # names it in the error of a missing checkpoint
+    trainable = True  # (an ActorEngine may be a frozen scorer: no optimizer state to load)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def dp_world_size(self) -> int:
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    @torch.no_grad()
+    def _forward_only(self, microbatches: Iterable[Mapping], forward, progress=None) -> list:
+        """``forward(mb)`` of each microbatch (moved to the engine's device) in eval mode, masked
+        to its loss mask, on the host; the module's train/eval mode is restored after."""
+        microbatches = (to_device(mb, self.engine.device) for mb in microbatches)  # host -> engine device
+        was_training = self.module.training
+        self.module.eval()
+        out = []
+        try:
+            for mb in microbatches:
+                out.append((forward(mb) * mb["loss_mask"]).detach())
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            self.module.train(was_training)
+        return to_host(out)  # the trainer keeps scored outputs on the host
+
+    def optimizer_step(self) -> float:
+        """Apply the accumulated gradient; returns the global grad norm (before clipping).
+
+        Skipped instead (`last_step_skipped`, see dsrl.actor.nonfinite) when any rank saw a
+        non-finite microbatch loss or holds a non-finite gradient: no update, weights and
+        optimizer state untouched, gradients discarded; returns NaN. Collective."""
+        bad_loss, self._nonfinite_loss = self._nonfinite_loss, False
+        norm, self.last_step_skipped = guarded_step(self.engine, self.zero_stage, bad_loss)
+        return norm
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, folder: str) -> None:
+        """DeepSpeed checkpoint (module, optimizer, scheduler; every rank its own partition) into
+        `folder`/`ds_tag`. Collective: every rank must call it with the same folder."""
+        self.engine.save_checkpoint(folder, tag=self.ds_tag, save_latest=False)
+
+    def load_checkpoint(self, folder: str) -> None:
+        """Restore what save_checkpoint wrote (module; optimizer and scheduler states when
+        trainable). Collective."""
+        path, _ = self.engine.load_checkpoint(folder, tag=self.ds_tag, load_optimizer_states=self.trainable,
+                                              load_lr_scheduler_states=self.trainable)
+        if path is None:
+            raise FileNotFoundError(f"no {self.checkpoint_name} checkpoint under {folder}/{self.ds_tag}")
+
+    # ------------------------------------------------------------------ weights
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """Full (gathered) parameters on every rank; a no-op below ZeRO-3."""
+        if self.zero_stage == 3:
+            import deepspeed
+
+            params = list(self.module.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                yield
+        else:
+            yield
+
+
+class ActorEngine(DeepSpeedModel):
     """A DeepSpeed-wrapped causal LM. `trainable=False` builds a frozen scorer (reference or
     teacher) on its own DeepSpeed engine without an optimizer. `lora` (actor.lora, rank > 0):
     a PEFT adapter is the only trained part; exports and saves give merged HF weights (dsrl.actor.lora)."""
@@ -135,24 +232,8 @@ class ActorEngine:
                                     persistence_threshold=persistence_threshold,
                                     node_local_storage=node_local_checkpoints)
         self.ds_config = ds_config
-        # ZeRO-3: transformers must know, so that it builds the model under zero.Init *and* loads
-        # the checkpoint into the partitioned parameters (a bare zero.Init context leaves every
-        # weight size-0 and the load fails). The HF flag is process-global: unset it right after
-        # loading so a later non-ZeRO-3 engine in the same process is built normally.
-        hf_ds = None
-        if zero_stage == 3:
-            from transformers.integrations import HfDeepSpeedConfig
-
-            hf_ds = HfDeepSpeedConfig(ds_config)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                model_path, config=hf_config, dtype=_DTYPES[dtype], attn_implementation=attn_implementation)
-        finally:
-            if hf_ds is not None:
-                from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-                unset_hf_deepspeed_config()
-                del hf_ds
+        model = load_pretrained(AutoModelForCausalLM, model_path, ds_config, zero_stage, config=hf_config,
+                                dtype=_DTYPES[dtype], attn_implementation=attn_implementation)
         if gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
@@ -180,14 +261,6 @@ class ActorEngine:
         # dsrl.validation.reuse.reuse_for_model checks on this module before training starts.
 
     # ------------------------------------------------------------------ forward
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.engine.module
-
-    @property
-    def dp_world_size(self) -> int:
-        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
     def logits(self, batch: Mapping) -> torch.Tensor:
         """Logits for every target column of a dense-layout microbatch: [B, T-1, V]."""
         out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
@@ -220,22 +293,9 @@ class ActorEngine:
         return token_logprobs(self.logits(batch), batch["targets"], temperature=self.temperature,
                               with_entropy=with_entropy)
 
-    @torch.no_grad()
     def score(self, microbatches: Iterable[Mapping], *, progress=None) -> list:
-        """Forward-only log-probs of each microbatch's targets (masked to the loss mask)."""
-        microbatches = (to_device(mb, self.engine.device) for mb in microbatches)  # host -> engine device
-        was_training = self.module.training
-        self.module.eval()
-        out = []
-        try:
-            for mb in microbatches:
-                lp, _ = self.target_logprobs(mb)
-                out.append((lp * mb["loss_mask"]).detach())
-                if progress is not None:
-                    progress.update(1)
-        finally:
-            self.module.train(was_training)
-        return to_host(out)  # the trainer keeps scored log-probs on the host
+        """Forward-only log-probs of each microbatch's targets (masked to the loss mask), on the host."""
+        return self._forward_only(microbatches, lambda mb: self.target_logprobs(mb)[0], progress)
 
     # ------------------------------------------------------------------ training
     def forward_backward(self, mb: Mapping, objective: ObjectiveSpec, config: Mapping, reduction: Reduction, *,
@@ -380,14 +440,10 @@ class ActorEngine:
         self._nonfinite_loss = nonfinite
 
     def optimizer_step(self) -> float:
-        """Apply the accumulated gradient; returns the global grad norm (before clipping).
-
-        Skipped instead (`last_step_skipped`, see dsrl.actor.nonfinite) when any rank saw a
-        non-finite microbatch loss or holds a non-finite gradient: no update, weights and
-        optimizer state untouched, gradients discarded; returns NaN. Collective."""
+        """DeepSpeedModel.optimizer_step, after closing an open accumulation window; counts the
+        steps applied since the last weight push."""
         self._close_accumulation_window()
-        bad_loss, self._nonfinite_loss = self._nonfinite_loss, False
-        norm, self.last_step_skipped = guarded_step(self.engine, self.zero_stage, bad_loss)
+        norm = super().optimizer_step()
         if not self.last_step_skipped:
             self.steps_since_push += 1
         return norm
@@ -410,32 +466,7 @@ class ActorEngine:
             if hasattr(opt, "clip_grad"):
                 opt.clip_grad = float(grad_clip)
 
-    # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, folder: str) -> None:
-        """DeepSpeed checkpoint (module, optimizer, scheduler; every rank its own partition) into
-        `folder`/deepspeed. Collective: every rank must call it with the same folder."""
-        self.engine.save_checkpoint(folder, tag=_DS_TAG, save_latest=False)
-
-    def load_checkpoint(self, folder: str) -> None:
-        """Restore what save_checkpoint wrote (module, optimizer and scheduler states). Collective."""
-        path, _ = self.engine.load_checkpoint(folder, tag=_DS_TAG, load_optimizer_states=self.trainable,
-                                              load_lr_scheduler_states=self.trainable)
-        if path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint under {folder}/{_DS_TAG}")
-
     # ------------------------------------------------------------------ weights
-    @contextlib.contextmanager
-    def full_parameters(self):
-        """Full (gathered) parameters on every rank; a no-op below ZeRO-3."""
-        if self.zero_stage == 3:
-            import deepspeed
-
-            params = list(self.module.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                yield
-        else:
-            yield
-
     def export_named_tensors(self, *, copy: bool = True, device: Optional[str] = "cpu"):
         """HF-named full weights, one tensor at a time (tied lm_head omitted; buffers other than
         rotary caches after the parameters). Under ZeRO-3 the parameters are gathered one layer
@@ -483,20 +514,14 @@ class ActorEngine:
         return dict(self.export_named_tensors(copy=True, device="cpu"))
 
     def save_hf(self, out_dir: str, tokenizer=None) -> None:
-        """Write a transformers-loadable folder (safetensors) from rank 0."""
-        from safetensors.torch import save_file
+        """Write a transformers-loadable folder (dsrl.hf_folder) from rank 0."""
+        from dsrl.hf_folder import write_hf_folder
 
         state = self.state_dict_for_export()
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank == 0:
-            os.makedirs(out_dir, exist_ok=True)
-            self.hf_config.save_pretrained(out_dir)
-            save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-            gen = getattr(self.module, "generation_config", None)
-            if gen is not None:
-                gen.save_pretrained(out_dir)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(out_dir)
+            write_hf_folder(out_dir, state, self.hf_config, tokenizer=tokenizer,
+                            generation_config=getattr(self.module, "generation_config", None))
         if self.lora is not None:  # the weights above are merged; the adapter alone beside them
             self.save_adapter(os.path.join(out_dir, LORA_ADAPTER_DIR))
         if torch.distributed.is_initialized():

@@ -33,7 +33,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from dsrl.actor.batch import empty_microbatch, rank_padding
+from dsrl.actor.batch import dense_rows, dense_tokens, empty_microbatch, rank_padding
 from dsrl.distributed.collectives import all_reduce_
 from dsrl.loss import tinker as tinker_losses
 from dsrl.loss.registry import OBJECTIVES, ObjectiveSpec
@@ -201,30 +201,18 @@ class TrainingSession:
 
     def _collate(self, items: Sequence[_Prepared], indices: Sequence[int],
                  tags: Optional[Sequence[Any]] = None) -> dict:
-        B = len(items)
         L = max(int(it.tokens.numel()) for it in items)
-        T = L + 1  # one trailing pad column: the engine drops the last logit, we need N of them
-        input_ids = torch.full((B, T), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((B, T), dtype=torch.long)
-        targets = torch.zeros((B, L), dtype=torch.long)
-        loss_mask = torch.zeros((B, L), dtype=torch.float32)
-        fields = {_batch_key(k): torch.zeros((B, L), dtype=torch.float32)
-                  for k in items[0].inputs if k != "target_tokens"}
-        for b, it in enumerate(items):
-            n = int(it.tokens.numel())
-            input_ids[b, :n] = it.tokens
-            attention_mask[b, :n] = 1
-            targets[b, :n] = it.inputs["target_tokens"]
-            loss_mask[b, :n] = 1.0
-            for k, v in it.inputs.items():
-                if k != "target_tokens":
-                    fields[_batch_key(k)][b, :n] = v
-        mb = {"input_ids": input_ids, "attention_mask": attention_mask, "targets": targets,
-              "loss_mask": loss_mask, "sample_indices": list(indices),
+        # One trailing pad column: the engine drops the last logit, we need N of them.
+        input_ids, attention_mask = dense_tokens([it.tokens for it in items], self.pad_id, L + 1)
+        mb = {"input_ids": input_ids, "attention_mask": attention_mask,
+              "targets": dense_rows([it.inputs["target_tokens"] for it in items], L, dtype=torch.long),
+              "loss_mask": dense_rows([torch.ones(int(it.tokens.numel()), dtype=torch.float32) for it in items], L),
+              "sample_indices": list(indices),
               "datum_lengths": [int(it.tokens.numel()) for it in items]}
         if tags is not None:
             mb["datum_tags"] = [tags[i] for i in indices]
-        mb.update(fields)
+        mb.update({_batch_key(k): dense_rows([it.inputs[k] for it in items], L)
+                   for k in items[0].inputs if k != "target_tokens"})
         return mb
 
     def _run(self, data: Sequence, loss_fn: str, loss_fn_config: Optional[Mapping], *,
@@ -262,9 +250,6 @@ class TrainingSession:
                 continue
             loss_sum += out.metrics["loss:sum"].detach().to("cpu", torch.float64)
             for rec in out.per_datum:
-                i = int(rec["sample_index"])
-                outputs[i] = {"logprobs": rec["logprobs"].to("cpu", torch.float32).clone()}  # host, whatever the device
-                if rec.get("elementwise_loss") is not None:  # a custom objective may not give it
-                    outputs[i]["elementwise_loss"] = rec["elementwise_loss"].to("cpu", torch.float32).clone()
+                outputs[int(rec["sample_index"])] = tinker_losses.datum_output(rec)
         all_reduce_(loss_sum)  # the sum over ranks (a no-op on one)
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": float(loss_sum.item())})

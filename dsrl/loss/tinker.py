@@ -145,22 +145,35 @@ def _finish(inputs: LossInputs, token_loss: torch.Tensor, mask: torch.Tensor) ->
         tok = token_loss.detach() * mask.to(token_loss.dtype)
         per_row = tok.sum(-1)
         total = per_row.sum()
-        B, L = lp.shape
-        lengths = inputs.batch.get("datum_lengths")
-        indices = inputs.sample_indices if inputs.sample_indices is not None else inputs.batch.get("sample_indices")
-        per_datum = []
-        lp_cpu = lp.detach().to("cpu")
-        loss_cpu = per_row.to("cpu")
-        tok_cpu = tok.to("cpu")
-        for b in range(B):
-            n = L if lengths is None else int(lengths[b])
-            per_datum.append({
-                "sample_index": (int(indices[b]) if indices is not None else b),
-                "logprobs": lp_cpu[b, :n].clone(),
-                "loss": loss_cpu[b].clone(),
-                "elementwise_loss": tok_cpu[b, :n].clone(),
-            })
+        per_datum = datum_records(inputs, logprobs=lp, loss=per_row, elementwise_loss=tok)
     return LossOutput(loss=loss, metrics={"loss:sum": total.detach()}, per_datum=per_datum)
+
+
+def datum_records(inputs: LossInputs, **fields: torch.Tensor) -> list:
+    """The per-datum records (`LossOutput.per_datum`) of a padded microbatch: for every row b its
+    ``sample_index`` and each of ``fields``, detached copies on the CPU: a [B, L] field cut to the
+    datum's first ``batch["datum_lengths"][b]`` columns (default the whole row), a [B] field's
+    b-th value."""
+    B, L = inputs.log_probs.shape
+    lengths = inputs.batch.get("datum_lengths")
+    indices = inputs.sample_indices if inputs.sample_indices is not None else inputs.batch.get("sample_indices")
+    host = {k: v.detach().to("cpu") for k, v in fields.items()}
+    out = []
+    for b in range(B):
+        n = L if lengths is None else int(lengths[b])
+        rec = {"sample_index": int(indices[b]) if indices is not None else b}
+        rec.update({k: (v[b, :n] if v.dim() == 2 else v[b]).clone() for k, v in host.items()})
+        out.append(rec)
+    return out
+
+
+def datum_output(record: Mapping[str, Any]) -> dict:
+    """A datum's Tinker ``loss_fn_outputs`` entry from its per-datum record: ``logprobs`` and (when
+    the objective gives it: a custom one may not) ``elementwise_loss``, float32 on the host."""
+    out = {"logprobs": record["logprobs"].to("cpu", torch.float32).clone()}
+    if record.get("elementwise_loss") is not None:
+        out["elementwise_loss"] = record["elementwise_loss"].to("cpu", torch.float32).clone()
+    return out
 
 
 def _mask(inputs: LossInputs) -> torch.Tensor:

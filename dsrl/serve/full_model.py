@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from dsrl.actor.work_units import AdamParams, TrainingSession
-from dsrl.serve.export import write_hf_folder
+from dsrl.hf_folder import write_hf_folder
 
 
 class FullModel:
@@ -55,7 +55,8 @@ class FullModel:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}/{tags[0]}")
 
     def export_sampler(self, folder: Path) -> None:
-        write_hf_folder(folder, self.engine.state_dict_for_export(), self.hf_config)
+        """Full weights as an untied HF folder (dsrl.hf_folder) that the sampler reloads."""
+        write_hf_folder(folder, self.engine.state_dict_for_export(), self.hf_config, untie=True)
 
     def release(self) -> None:
         self.engine = None

@@ -122,7 +122,7 @@ class LoraPool:
         rng = torch.random.fork_rng(devices=[]) if spec.seed is not None else contextlib.nullcontext()
         with rng, warnings.catch_warnings():
             # PEFT warns that a LoRA on the head of a tied model unties it on merge: exports here
-            # always write the head on its own (dsrl.serve.export), so that is what we want.
+            # always write the head on its own (dsrl.hf_folder), so that is what we want.
             warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
             if spec.seed is not None:
                 torch.manual_seed(int(spec.seed))

@@ -108,20 +108,9 @@ def _custom_spec(name: str, fn) -> ObjectiveSpec:
         metrics.setdefault("loss:sum", out.loss.detach())
         per_datum = out.per_datum
         if per_datum is None:
-            per_datum = _logprob_records(inputs)
+            per_datum = tinker_losses.datum_records(inputs, logprobs=inputs.log_probs)  # each row's target log-probs
         return LossOutput(loss=out.loss, metrics=metrics, per_datum=per_datum)
 
     return ObjectiveSpec(f"custom:{name}", run, getattr(fn, "config_defaults", None) or {}, required,
                          aggregation="sum")
 
-
-def _logprob_records(inputs: LossInputs) -> list:
-    """Per-datum outputs of an objective that gives none: each row's target log-probs."""
-    lp = inputs.log_probs.detach().to("cpu")
-    lengths = inputs.batch.get("datum_lengths")
-    indices = inputs.sample_indices if inputs.sample_indices is not None else inputs.batch.get("sample_indices")
-    out = []
-    for b in range(lp.shape[0]):
-        n = lp.shape[1] if lengths is None else int(lengths[b])
-        out.append({"sample_index": int(indices[b]) if indices is not None else b, "logprobs": lp[b, :n].clone()})
-    return out

@@ -17,25 +17,23 @@ log = logging.getLogger("dsrl.serve")
 
 def untied_base_folder(model_path: str, out_dir: "str | os.PathLike[str]") -> str:
     """The folder the sampler's vLLM engine starts from: the base model itself when its head is
-    untied, else a copy with the head written out (see dsrl.serve.export)."""
+    untied, else a copy with the head written out (see dsrl.hf_folder)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_path)
     if not getattr(cfg, "tie_word_embeddings", False):
         return model_path
+    from dsrl.hf_folder import WEIGHTS_FILE, write_hf_folder
+
     out = Path(out_dir)
-    if (out / "model.safetensors").is_file():
+    if (out / WEIGHTS_FILE).is_file():
         return str(out)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dsrl.serve.export import write_hf_folder
-
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     state = {n: p.detach() for n, p in model.named_parameters()}
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    write_hf_folder(tmp, state, model.config, tokenizer_dir=model_path)
-    os.replace(tmp, out)
+    write_hf_folder(out, state, model.config, untie=True, tokenizer=model_path, atomic=True)
     return str(out)
 
 
