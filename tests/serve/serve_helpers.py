@@ -23,8 +23,8 @@ def start_server(model_path, checkpoint_dir, **overrides):
     return ServerThread(build_service(ServiceOptions(**opts)), [KEY]).start()
 
 
-def start_server_process(tmp_path, model_path, key, *overrides):
-    """``python -m dsrl.serve`` as a user starts it (fp32, no sampler), on a free port; returns
+def start_server_process(tmp_path, model_path, key, *overrides, sampling=False):
+    """``python -m dsrl.serve`` as a user starts it (fp32, no sampler unless ``sampling``), on a free port; returns
     (process, url) once /healthz answers, its output going to ``tmp_path/server.log``
     (`server_log`). The caller terminates the process."""
     import subprocess
@@ -39,7 +39,7 @@ def start_server_process(tmp_path, model_path, key, *overrides):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     port = free_port()
     cmd = [sys.executable, "-m", "dsrl.serve", "+exp=tinker_service", f"model.path={model_path}",
-           "model.dtype=float32", "serve.sampling=false", f"serve.port={port}", "serve.model_name=tiny",
+           "model.dtype=float32", f"serve.sampling={str(bool(sampling)).lower()}", f"serve.port={port}", "serve.model_name=tiny",
            f"serve.api_keys=[{key}]", f"hydra.run.dir={tmp_path}", *overrides]
     log = open(os.path.join(str(tmp_path), "server.log"), "w")  # a pipe nobody reads would block its logging
     proc = subprocess.Popen(cmd, cwd=root, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, text=True)

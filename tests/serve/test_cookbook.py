@@ -1,0 +1,113 @@
+"""The real tinker-cookbook 0.6.1 as a client of a dsrl service process (the tiny model, fp32, with
+its vLLM sampler): the cookbook's supervised loop (`tinker_cookbook.supervised.train.main`, JSONL
+conversations through `FromConversationFileBuilder`, the `qwen3_instruct` renderer, which fits
+SmolLM2's ChatML tokenizer) trains a LoRA client and evaluates it on the held-out conversations; its
+RL loop (`tinker_cookbook.rl.train.main` on the arithmetic recipe's dataset) runs with
+`loss_fn="importance_sampling"`, and with `stable_reinforce` (the default of the cookbook's math
+recipe and of its async RL) fails with the server's refusal."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+from serve_helpers import start_server_process
+
+pytestmark = pytest.mark.slow
+
+cookbook = pytest.importorskip("tinker_cookbook", reason="tinker-cookbook not installed (launch/setup.sh)")
+
+KEY = "tml-cookbook-tests"
+MODEL = "tiny"  # serve.model_name of start_server_process; the test registers its tokenizer under it
+RENDERER = "qwen3_instruct"
+SAMPLER = ["rollout.dtype=float32", "rollout.max_model_len=256", "rollout.kv_cache_gib=1",
+           "rollout.enforce_eager=true"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_path):
+    from tinker_cookbook.tokenizer_utils import register_tokenizer
+    from transformers import AutoTokenizer
+
+    register_tokenizer(MODEL, lambda: AutoTokenizer.from_pretrained(str(tiny_model_path)))
+    run_dir = tmp_path_factory.mktemp("cookbook_server")
+    proc, url = start_server_process(run_dir, tiny_model_path, KEY, *SAMPLER, sampling=True)
+    old = os.environ.get("TINKER_API_KEY")
+    os.environ["TINKER_API_KEY"] = KEY  # the cookbook's loops build their ServiceClient from the environment
+    try:
+        yield url
+    finally:
+        if old is None:
+            os.environ.pop("TINKER_API_KEY", None)
+        else:
+            os.environ["TINKER_API_KEY"] = old
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def _metrics(log_path) -> list[dict]:
+    with open(os.path.join(str(log_path), "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _conversations(path, n):
+    with open(path, "w") as f:
+        for i in range(n):
+            a, b = i % 7, (3 * i) % 5
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                                             {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}) + "\n")
+
+
+def test_cookbook_supervised_loop_trains_and_evaluates(server, tmp_path):
+    from tinker_cookbook.renderers import TrainOnWhat
+    from tinker_cookbook.supervised import train
+    from tinker_cookbook.supervised.data import FromConversationFileBuilder
+    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+    data = tmp_path / "conversations.jsonl"
+    _conversations(data, 10)
+    common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=MODEL, renderer_name=RENDERER, max_length=64,
+                                            batch_size=4, train_on_what=TrainOnWhat.ALL_ASSISTANT_MESSAGES)
+    cfg = train.Config(log_path=str(tmp_path / "sl"), model_name=MODEL, recipe_name="dsrl_cookbook_test",
+                       renderer_name=RENDERER, dataset_builder=FromConversationFileBuilder(
+                           common_config=common, file_path=str(data), test_size=2),
+                       learning_rate=1e-2, lr_schedule="constant", num_epochs=2, lora_rank=4, base_url=server,
+                       eval_every=1, save_every=0, ttl_seconds=None)
+    asyncio.run(train.main(cfg))
+    rows = _metrics(tmp_path / "sl")
+    losses = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses  # 8 training conversations, batch 4, 2 epochs
+    evals = [r["test/nll"] for r in rows if "test/nll" in r]  # its NLL evaluator on the 2 held out
+    assert len(evals) >= 4 and evals[-1] < evals[0], evals
+
+
+def _rl_config(url, log_path, loss_fn):
+    from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
+    from tinker_cookbook.rl import train
+
+    builder = ArithmeticDatasetBuilder(batch_size=2, group_size=2, n_batches=2, model_name_for_tokenizer=MODEL,
+                                       renderer_name=RENDERER, include_fewshot=False)
+    return train.Config(learning_rate=1e-3, dataset_builder=builder, model_name=MODEL, renderer_name=RENDERER,
+                        recipe_name="dsrl_cookbook_test", max_tokens=4, log_path=str(log_path), eval_every=0,
+                        save_every=0, lora_rank=4, base_url=url, loss_fn=loss_fn, ttl_seconds=None,
+                        num_groups_to_log=0, rollout_json_export=False)
+
+
+def test_cookbook_rl_loop_runs_with_importance_sampling(server, tmp_path):
+    from tinker_cookbook.rl import train
+
+    asyncio.run(train.main(_rl_config(server, tmp_path / "rl", "importance_sampling")))
+    rows = [r for r in _metrics(tmp_path / "rl") if "env/all/reward/total" in r]
+    assert len(rows) == 2, rows  # two iterations: sample 2 groups of 2, reward, train
+    for r in rows:
+        assert r["tokens/sampled"] == 2 * 2 * 4 and r["env/all/total_episodes"] == 4, r
+        assert abs(r["optim/kl_sample_train_v1"]) < 1e-3, r  # the sampler's log-probs are the trainer's
+
+
+def test_cookbook_rl_loop_stable_reinforce_is_refused(server, tmp_path):
+    from tinker_cookbook.rl import train
+
+    with pytest.raises(Exception) as err:
+        asyncio.run(train.main(_rl_config(server, tmp_path / "rl", "stable_reinforce")))
+    assert "stable_reinforce" in str(err.value) and "not offer" in str(err.value), repr(err.value)
