@@ -70,6 +70,7 @@ HEAVY_FIRST = (  # measured seconds per file, largest first (a full run's --dura
     "tests/e2e/test_e2e_grpo.py",
     "tests/rollout/test_ray_engines.py",
     "tests/rollout/test_lora_sync.py",
+    "tests/serve/test_cookbook.py",
     "tests/rollout/test_vllm_schedule.py",
     "tests/checkpoint/test_checkpoint_files.py",
     "tests/trainer/test_overlap_e2e.py",
