@@ -181,6 +181,8 @@ def build(cfg_node: DictConfig, run_dir: str):
     if is_main_rank():
         OmegaConf.save(cfg_node, os.path.join(run_dir, "config.yaml"), resolve=True)
         log.info("run dir: %s | ranks: %d | model: %s", run_dir, world_size(), model_path)
+        if world_size() > 1:
+            log.info("ranks: %s", peers.describe())
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     check_prompt_lengths(source, tokenizer, cfg)  # over-long prompts: named error or skipped, before any engine

@@ -3,8 +3,15 @@
 #        NODE_RANK=<n> launch/multinode_deepspeed.sh --no-ssh HOSTFILE [dsrl.main overrides...]
 #
 # Trainer ranks on every node of HOSTFILE (DeepSpeed hostfile: "<host> slots=<ranks>", see
-# launch/hostfile), started over ssh by DeepSpeed's launcher from this node. Each rank runs
-# `python -m dsrl.main <overrides>`.
+# launch/hostfile), started over ssh by DeepSpeed's launcher from this node (pdsh; passwordless ssh
+# to every host, this one included). Each rank runs `python -m dsrl.main <overrides>` with this
+# checkout's interpreter, in this checkout's path (the same on every host). An ssh session starts
+# with a fresh environment: the ranks get this shell's PATH (the interpreter's folder first),
+# LD_LIBRARY_PATH, TMPDIR and every variable named DSRL_*, DS_*, RAY_*, GLOO_*, NCCL_*, HF_*,
+# TRANSFORMERS_*, TOKENIZERS_*, TORCH_*, OMP_*, MKL_*, VLLM_*, WANDB_*, HYDRA_*, PYTHON* set here
+# (the same value on every host: GLOO_SOCKET_IFNAME must name an interface every host has), but
+# not DSRL_NODE_ADDR and RAY_NODE_IP (each host's own); ~/.deepspeed_env and ./.deepspeed_env
+# lines are added and win.
 #   launch/multinode_deepspeed.sh launch/hostfile +exp=grpo_reuse actor.zero_stage=3
 # --no-ssh: no ssh at all; run the same command on every node of HOSTFILE with NODE_RANK set to
 # that node's line in HOSTFILE (0 = the first). It runs DeepSpeed's per-node launcher
@@ -51,6 +58,15 @@ DEEPSPEED="${DEEPSPEED:-$ROOT/.venv/bin/deepspeed}"
 MASTER_ADDR="${MASTER_ADDR:-$(echo "$HOSTS" | head -n 1)}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 
+# Wait for $LAUNCHER (a signal trap may interrupt `wait`) and exit with its status.
+wait_launcher() {
+  while :; do
+    RC=0; wait "$LAUNCHER" || RC=$?
+    kill -0 "$LAUNCHER" 2>/dev/null || break  # wait returned for a signal: the launcher still runs
+  done
+  exit "$RC"
+}
+
 cd "$ROOT"
 if [ "$NO_SSH" = 1 ]; then
   NHOSTS=$(echo "$HOSTS" | wc -l)
@@ -75,13 +91,30 @@ print(encode_world_info({h: list(range(n)) for h, n in fetch_hostfile(sys.argv[1
   LAUNCHER=$!
   trap 'pkill -TERM -P "$LAUNCHER" || true' TERM
   trap 'pkill -INT -P "$LAUNCHER" || true' INT
-  while :; do
-    RC=0; wait "$LAUNCHER" || RC=$?
-    kill -0 "$LAUNCHER" 2>/dev/null || break  # wait returned for a signal: the launcher still runs
-  done
-  exit "$RC"
+  wait_launcher
 fi
 RUN_DIR="${RUN_DIR:-$ROOT/outputs/multinode-$(date +%Y%m%d-%H%M%S)}"
 echo "trainer ranks on: $(echo "$HOSTS" | tr '\n' ' ')| master $MASTER_ADDR:$MASTER_PORT | run dir $RUN_DIR"
-exec "$DEEPSPEED" --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-  --module dsrl.main "hydra.run.dir=$RUN_DIR" "$@"
+# What the ranks' ssh sessions export: DeepSpeed's runner reads "NAME=value" lines from DS_ENV_FILE
+# (a private file, removed on exit; it replaces ~/.deepspeed_env and ./.deepspeed_env, copied last).
+ENV_FILE="$(mktemp)"
+trap 'rm -f "$ENV_FILE"' EXIT
+PY_DIR="$(dirname "$(head -n 1 "$DEEPSPEED" | sed -n 's/^#! *//p' | cut -d' ' -f1)")"
+{
+  echo "PATH=$PY_DIR:$PATH"
+  env | grep -E '^(LD_LIBRARY_PATH|TMPDIR|(DSRL|DS|RAY|GLOO|NCCL|HF|TRANSFORMERS|TOKENIZERS|TORCH|OMP|MKL|VLLM|WANDB|HYDRA)_[A-Za-z0-9_]*|PYTHON[A-Za-z0-9_]*)=' \
+    | grep -vE '^(DSRL_NODE_ADDR|RAY_NODE_IP|DS_ENV_FILE)=' || true
+  cat ~/.deepspeed_env ./.deepspeed_env 2>/dev/null || true
+} > "$ENV_FILE"
+# The remote shell reads the values (DeepSpeed quotes them in "..."): one it would expand is left out.
+for name in $(grep -E '["$`\\]' "$ENV_FILE" | cut -d= -f1); do
+  echo "warning: $name not passed to the ranks (its value holds \", \$, \` or \\)" >&2
+  sed -i "/^$name=/d" "$ENV_FILE"
+done
+DS_ENV_FILE="$ENV_FILE" "$DEEPSPEED" --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+  --module dsrl.main "hydra.run.dir=$RUN_DIR" "$@" &
+LAUNCHER=$!
+# DeepSpeed's runner stops the ranks on every host (pdsh, pkill) on SIGTERM/SIGINT.
+trap 'kill -TERM "$LAUNCHER" 2>/dev/null || true' TERM
+trap 'kill -INT "$LAUNCHER" 2>/dev/null || true' INT
+wait_launcher

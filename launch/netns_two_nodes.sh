@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# Usage: launch/netns_two_nodes.sh create NAME ROOT | exec NAME NODE CMD... | destroy NAME | sweep
+# Usage: launch/netns_two_nodes.sh create NAME ROOT | sshd NAME | exec NAME NODE CMD... | destroy NAME | sweep
 #
 # Two "hosts" on this machine (root only): network namespaces NAME-0 and NAME-1 joined by a veth
 # pair, node 0 at 10.77.0.1/24 and node 1 at 10.77.0.2/24 (loopback up in each; nothing outside
 # this machine is reachable from them), and a node-local disk per node: ROOT/node0 and ROOT/node1,
 # each seen by its node's processes at the same path, ROOT/local (a bind mount in a mount
 # namespace of its own), as a real cluster's node-local scratch is one path on every host.
-#   create NAME ROOT      make both namespaces, the veth pair and ROOT/{local,node0,node1}; prints
+#   create NAME ROOT      make both namespaces, the veth pair (one interface name, veth2n, inside
+#                         both, as a cluster's hosts share theirs) and ROOT/{local,node0,node1}; prints
 #                         "<ns0> <ns1> <if0> <if1> <addr0> <addr1>"
+#   sshd NAME             an sshd on each node, on its address, port 22 (host keys, config, pid file
+#                         under ROOT/ssh; key-only root login); every node's ssh client (of processes
+#                         started by exec from then on, and of ssh sessions) logs in to either node
+#                         with ROOT/ssh/id_ed25519 and checks ROOT/ssh/known_hosts: `ssh 10.77.0.2`,
+#                         pdsh -R ssh. ssh sessions run on their node as exec runs CMD (host name,
+#                         ROOT/local, GLOO_SOCKET_IFNAME, DSRL_NODE_ADDR)
 #   exec NAME NODE CMD..  run CMD on node NODE (0 or 1): in its namespace, host name NAME-NODE,
 #                         ROOT/local = ROOT/nodeNODE, GLOO_SOCKET_IFNAME = its veth, DSRL_NODE_ADDR =
-#                         its address
+#                         its address; once sshd ran, /etc/ssh/ssh_config.d = ROOT/ssh/client.d
 #   destroy NAME          kill what still runs in the namespaces, delete them (the veth pair goes
 #                         with them); leaves ROOT to its owner. Safe to repeat.
 #   sweep                 destroy every dsrl2n-PID-* whose creator PID is gone (a crashed run's)
-# NAME must read dsrl2n-<creator pid>-<tag> (<tag>: up to 6 letters/digits); the veth names are
-# derived from it (15 characters at most). Example, the two-node DeepSpeed launch of
+# NAME must read dsrl2n-<creator pid>-<tag> (<tag>: up to 6 letters/digits); the veth ends are
+# created under names derived from it (15 characters at most), then renamed veth2n in each namespace. Example, the two-node DeepSpeed launch of
 # tests/multinode (one rank per node, no ssh; see README "Scaling out"):
 #   launch/netns_two_nodes.sh create dsrl2n-$$-a /tmp/two
 #   launch/netns_two_nodes.sh exec dsrl2n-$$-a 0 env NODE_RANK=0 MASTER_ADDR=10.77.0.1 \
@@ -26,6 +33,7 @@ set -euo pipefail
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 2; }
 die() { echo "netns_two_nodes: $*" >&2; exit 1; }
 ADDR=(10.77.0.1 10.77.0.2)
+VETH=veth2n  # each veth end's name inside its namespace
 
 check_name() {
   [[ "$1" =~ ^dsrl2n-([0-9]+)-([A-Za-z0-9]{1,6})$ ]] || die "name '$1' must read dsrl2n-<pid>-<tag> (tag: 1-6 letters/digits)"
@@ -54,12 +62,64 @@ create() {
   ip link add "${IF[0]}" type veth peer name "${IF[1]}"
   for i in 0 1; do
     ip link set "${IF[$i]}" netns "${NS[$i]}"
+    ip -n "${NS[$i]}" link set "${IF[$i]}" name "$VETH"
     ip -n "${NS[$i]}" link set lo up
-    ip -n "${NS[$i]}" addr add "${ADDR[$i]}/24" dev "${IF[$i]}"
-    ip -n "${NS[$i]}" link set "${IF[$i]}" up
+    ip -n "${NS[$i]}" addr add "${ADDR[$i]}/24" dev "$VETH"
+    ip -n "${NS[$i]}" link set "$VETH" up
   done
   trap - EXIT
-  echo "${NS[0]} ${NS[1]} ${IF[0]} ${IF[1]} ${ADDR[0]} ${ADDR[1]}"
+  echo "${NS[0]} ${NS[1]} $VETH $VETH ${ADDR[0]} ${ADDR[1]}"
+}
+
+start_sshd() {
+  local name="$1"
+  check_name "$name"
+  local root; root="$(root_of "$name")"
+  [ -n "$root" ] || die "no namespaces '$name' (run create first)"
+  local sshd; sshd="$(command -v sshd || echo /usr/sbin/sshd)"
+  [ -x "$sshd" ] && command -v ssh-keygen >/dev/null || die "sshd or ssh-keygen not found (apt-get install openssh-server)"
+  local d="$root/ssh" i
+  rm -rf "$d" && mkdir -p "$d/client.d" && chmod 700 "$d"
+  mkdir -p /run/sshd  # sshd's privilege separation folder
+  ssh-keygen -q -t ed25519 -N '' -C "dsrl2n client $name" -f "$d/id_ed25519"
+  cp "$d/id_ed25519.pub" "$d/authorized_keys"
+  : > "$d/known_hosts"
+  for i in 0 1; do
+    mkdir -p "$d/node$i"
+    ssh-keygen -q -t ed25519 -N '' -C "dsrl2n host ${NS[$i]}" -f "$d/node$i/ssh_host_ed25519_key"
+    echo "${ADDR[$i]} $(cut -d' ' -f1,2 "$d/node$i/ssh_host_ed25519_key.pub")" >> "$d/known_hosts"
+    # SetEnv: an ssh session gets what exec gives CMD (sshd passes its own environment to no session).
+    cat > "$d/node$i/sshd_config" <<CONF
+ListenAddress ${ADDR[$i]}:22
+HostKey $d/node$i/ssh_host_ed25519_key
+PidFile $d/node$i/sshd.pid
+AuthorizedKeysFile $d/authorized_keys
+PermitRootLogin prohibit-password
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+SetEnv GLOO_SOCKET_IFNAME=$VETH DSRL_NODE_ADDR=${ADDR[$i]}
+CONF
+  done
+  cat > "$d/client.d/dsrl2n.conf" <<CONF
+Host ${ADDR[0]} ${ADDR[1]}
+  User root
+  IdentityFile $d/id_ed25519
+  IdentitiesOnly yes
+  UserKnownHostsFile $d/known_hosts
+  StrictHostKeyChecking yes
+  BatchMode yes
+CONF
+  # Started through exec: sshd and every session it opens live in the node's namespaces (its
+  # network, host name, ROOT/local, ssh client configuration).
+  for i in 0 1; do
+    "$0" exec "$name" "$i" "$sshd" -f "$d/node$i/sshd_config" || die "sshd on node $i did not start"
+  done
+  for i in 0 1; do
+    "$0" exec "$name" 0 ssh "${ADDR[$i]}" true || die "ssh from node 0 to ${ADDR[$i]} failed"
+  done
 }
 
 run_on() {
@@ -70,9 +130,11 @@ run_on() {
   [ -n "$root" ] || die "no namespaces '$name' (run create first)"
   # `ip netns exec` gives the command a mount namespace of its own: the bind mount stays in it;
   # `unshare --uts`: a host name of its own (the namespace's name), as a real host has.
-  exec ip netns exec "${NS[$node]}" env GLOO_SOCKET_IFNAME="${IF[$node]}" DSRL_NODE_ADDR="${ADDR[$node]}" \
-    unshare --uts bash -c 'hostname "$1" && mount --bind "$2" "$3" && shift 3 && exec "$@"' _ \
-    "${NS[$node]}" "$root/node$node" "$root/local" "$@"
+  # After `sshd`: this node's ssh client configuration (key, known hosts) as the system's.
+  exec ip netns exec "${NS[$node]}" env GLOO_SOCKET_IFNAME="$VETH" DSRL_NODE_ADDR="${ADDR[$node]}" \
+    unshare --uts bash -c 'hostname "$1" && mount --bind "$2" "$3" &&
+      { [ ! -d "$4" ] || [ ! -d /etc/ssh/ssh_config.d ] || mount --bind "$4" /etc/ssh/ssh_config.d; } &&
+      shift 4 && exec "$@"' _ "${NS[$node]}" "$root/node$node" "$root/local" "$root/ssh/client.d" "$@"
 }
 
 destroy() {
@@ -109,6 +171,7 @@ sweep() {
 cmd="$1"; shift
 case "$cmd" in
   create) [ $# -eq 2 ] || usage; create "$@" ;;
+  sshd) [ $# -eq 1 ] || usage; start_sshd "$1" ;;
   exec) [ $# -ge 3 ] || usage; run_on "$@" ;;
   destroy) [ $# -eq 1 ] || usage; destroy "$1" ;;
   sweep) [ $# -eq 0 ] || usage; sweep ;;

@@ -51,6 +51,11 @@ def _describe(rows) -> str:
     return ", ".join(f"rank {r} on host {host} ({addr})" for r, host, addr in rows)
 
 
+def describe() -> str:
+    """Every rank's host and address as `record` gathered them ("" before it ran)."""
+    return _describe(_table)
+
+
 def lost_rank_message(exc: BaseException) -> Optional[str]:
     """One line naming the rank(s) a failed collective lost, or None when `exc` is not a peer
     failure of a multi-rank run (or `record` never ran)."""

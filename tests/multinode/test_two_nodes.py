@@ -13,7 +13,9 @@ lost rank and its host, no process survives on either node, and C resumed from i
 checkpoint equals A. D: node 1 vanishes from the network (its link down, its connections left
 open): both ranks stop after trainer.dist_timeout_s, each naming the other as the suspect.
 E: a Ray cluster across the two hosts (launch/ray_cluster.sh head / worker), a Ray-placed engine on
-each; the worker host killed: the run stops naming the engine and its host."""
+each; the worker host killed: the run stops naming the engine and its host.
+F: A's launch started on node 0 alone through ssh (launch/multinode_deepspeed.sh HOSTFILE: DeepSpeed's
+runner, pdsh, an sshd on each node): the same run folder, metrics and checkpoints as A, rank 1 on node 1."""
 from __future__ import annotations
 
 import importlib.util
@@ -21,6 +23,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,11 +38,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch" / "multinode_deepspeed.sh"
+SCRIPT_NETNS = ROOT / "launch" / "netns_two_nodes.sh"
+SSH_PATH = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"  # sshd's folder, off a user's PATH
 DIST_TIMEOUT_S = 60  # trainer.dist_timeout_s of these runs: the bound on noticing a lost rank
 
 
 def _e2e():
     """tests/e2e/test_e2e_resume.py's config and checkpoint comparison (one copy of each)."""
+    if str(ROOT / "tests" / "e2e") not in sys.path:  # its e2e_jobs, when tests/e2e is not collected too
+        sys.path.insert(0, str(ROOT / "tests" / "e2e"))
     spec = importlib.util.spec_from_file_location("dsrl_e2e_resume", ROOT / "tests" / "e2e" / "test_e2e_resume.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -67,9 +74,11 @@ _ports = itertools.count(29511)
 
 
 class Launch:
-    """Both nodes' `multinode_deepspeed.sh --no-ssh`, each in its node's namespace."""
+    """Both nodes' `multinode_deepspeed.sh --no-ssh`, each in its node's namespace; with ssh=True
+    node 0's `multinode_deepspeed.sh HOSTFILE` alone (DeepSpeed's runner starts both nodes' ranks
+    through pdsh/ssh; the nodes need launch/netns_two_nodes.sh sshd)."""
 
-    def __init__(self, nodes, out: Path, *overrides: str, run_dir: Path | None = None):
+    def __init__(self, nodes, out: Path, *overrides: str, run_dir: Path | None = None, ssh: bool = False):
         hostfile = nodes.local / "hostfile"
         for n in (0, 1):
             nodes.on_node(n, hostfile).write_text("".join(f"{a} slots=1\n" for a in nodes.addrs))
@@ -78,12 +87,14 @@ class Launch:
         env.pop("RUN_DIR", None)
         if run_dir is not None:
             env["RUN_DIR"] = str(run_dir)
-        self.outs = [out.with_name(f"{out.name}.node{n}.log") for n in (0, 1)]
+        started = (0,) if ssh else (0, 1)
+        self.outs = [out.with_name(f"{out.name}.node{n}.log") for n in started]
         self.procs = []
-        for n in (0, 1):
+        for n in started:
+            argv = [LAUNCH, hostfile] if ssh else ["env", f"NODE_RANK={n}", LAUNCH, "--no-ssh", hostfile]
             with open(self.outs[n], "w") as f:
-                self.procs.append(nodes.popen(n, ["env", f"NODE_RANK={n}", LAUNCH, "--no-ssh", hostfile, *COMMON,
-                                                  *overrides], env=env, stdout=f, stderr=subprocess.STDOUT))
+                self.procs.append(nodes.popen(n, [*argv, *COMMON, *overrides], env=env, stdout=f,
+                                              stderr=subprocess.STDOUT))
         self.started = time.time()
 
     def wait(self, timeout: float = 300) -> list:
@@ -101,10 +112,10 @@ class Launch:
         return self.outs[n].read_text(errors="replace")
 
     def tail(self, chars: int = 3000) -> str:
-        return "\n".join(f"--- node {n}:\n{self.text(n)[-chars:]}" for n in (0, 1))
+        return "\n".join(f"--- node {n}:\n{self.text(n)[-chars:]}" for n in range(len(self.outs)))
 
     def check_ok(self, timeout: float = 300) -> None:
-        assert self.wait(timeout) == [0, 0], self.tail()
+        assert self.wait(timeout) == [0] * len(self.procs), self.tail()
 
 
 def _signal_group(proc, sig) -> None:
@@ -161,8 +172,16 @@ def uninterrupted(two_nodes, tiny_model_path, tmp_path_factory):
 
 def test_two_node_zero3_launch_one_run_folder_node_local_checkpoints(two_nodes, uninterrupted):
     a, seconds, run = uninterrupted
-    out0, out1 = run.text(0), run.text(1)
+    _check_two_step_run(two_nodes, a, run.text(0))
+    print(f"two-node launch A (2 steps): {seconds:.1f} s")
+
+
+def _check_two_step_run(two_nodes, a: Path, out0: str) -> None:
+    """Run folder `a` (as the nodes see it) of a two-step run, node 0's output `out0`: one run
+    folder, rank 1 on node 1, both ranks' reduced metrics, each node's checkpoints its own rank's."""
     assert f"run dir: {a} | ranks: 2" in out0
+    assert (f"ranks: rank 0 on host {two_nodes.hosts[0]} ({two_nodes.addrs[0]}), "
+            f"rank 1 on host {two_nodes.hosts[1]} ({two_nodes.addrs[1]})") in out0, out0[-3000:]
     node0, node1 = two_nodes.on_node(0, a), two_nodes.on_node(1, a)
     rows = _rows(node0)
     assert [r["step"] for r in rows] == [1, 2]
@@ -180,7 +199,31 @@ def test_two_node_zero3_launch_one_run_folder_node_local_checkpoints(two_nodes, 
         assert f1 == {"rank-1.pt", "COMPLETE.json", "deepspeed/zero_pp_rank_1_mp_rank_00_model_states.pt",
                       "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt"}, f1
         assert not any("rank_1" in f or f == "rank-1.pt" for f in f0), f0
-    print(f"two-node launch A (2 steps): {seconds:.1f} s")
+
+
+def test_ssh_launch_from_node_0_starts_rank_1_on_node_1(two_nodes, tiny_model_path, tmp_path):
+    """`multinode_deepspeed.sh HOSTFILE` on node 0 alone, as a user starts it: DeepSpeed's runner
+    reaches both nodes through pdsh/ssh (an sshd on each node); the run equals A's in shape."""
+    missing = [tool for tool in ("sshd", "pdsh", "ssh-keygen") if not shutil.which(tool, path=SSH_PATH)]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not found (apt-get install openssh-server pdsh; .ci/run does so as "
+                    "root): the ssh launch test skipped")
+    r = subprocess.run([str(SCRIPT_NETNS), "sshd", two_nodes.name], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    try:
+        run_dir = two_nodes.local / "ssh"
+        run = Launch(two_nodes, tmp_path / "ssh", run_dir=run_dir, ssh=True)
+        run.check_ok()
+        seconds = time.time() - run.started
+        _check_two_step_run(two_nodes, run_dir, run.text(0))
+        assert f"{two_nodes.addrs[1]}: " in run.text(0)  # node 1's ranks' output, through pdsh
+    finally:  # the sshds: no process left on the nodes for the other tests
+        for pid_file in (two_nodes.root / "ssh").glob("node*/sshd.pid"):
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    print(f"two-node launch over ssh (2 steps): {seconds:.1f} s")
 
 
 def test_sigterm_stops_both_nodes_with_a_checkpoint_and_the_resume_equals_the_uninterrupted_run(
@@ -286,7 +329,6 @@ def test_a_vanished_host_stops_both_nodes_after_the_process_group_timeout(two_no
 
 
 RAY_CLUSTER = ROOT / "launch" / "ray_cluster.sh"
-SCRIPT_NETNS = ROOT / "launch" / "netns_two_nodes.sh"
 
 
 def test_two_host_ray_cluster_engines_on_both_hosts_shared_by_both_ranks_and_a_lost_worker_named(
