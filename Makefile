@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # Two pytest workers (pytest-xdist): a test file stays on one worker, the heaviest files start first
 # (tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 export RAY_AUTH_MODE ?= disabled
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 

@@ -44,7 +44,7 @@ def tiny_tokenizer(tiny_model_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Two workers (`make test` runs `pytest -n 2 --dist loadgroup`). Most real-engine tests keep one
+# Two workers (`make test` runs `pytest -n 2 --dist loadfile`, refined below). Most real-engine tests keep one
 # core busy (Python start-up, imports, engine set-up, a tiny model's small kernels), so two files
 # run side by side. A file's tests stay on one worker (its module-scoped engines are built once);
 # the files in one SHARED_WORKER group share a worker (a session fixture built once; one Ray
@@ -93,7 +93,21 @@ def pytest_collection_modifyitems(config, items):
     rank = {}  # a group starts as early as its heaviest file
     for i, path in enumerate(HEAVY_FIRST):
         rank.setdefault(_group(path), i)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item.nodeid.split("::")[0])))
     # Stable: the rest keep the collection order, after the heavy files.
     items.sort(key=lambda item: rank.get(_group(item.nodeid.split("::")[0]), len(HEAVY_FIRST)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` refined: a work unit is a file or a SHARED_WORKER group, in collection order
+    (heaviest first). Not xdist's `loadgroup`: under pytest 9 it cannot rename a test's node id, so
+    its xdist_group marks group nothing (measured: one file's tests ran on both workers)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid.split("::")[0])
+
+    return FileGroups(config, log)
