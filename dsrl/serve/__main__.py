@@ -75,15 +75,20 @@ def main(cfg_node: DictConfig) -> None:
     import torch
 
     from dsrl.distributed.ports import free_port
+    from dsrl.distributed.reaper import Reaper
     from dsrl.serve.config import options_from_config
     from dsrl.serve.server import build_service, serve_forever
 
     adopt_library_loggers()
     torch.set_num_threads(cfg.actor.num_threads)
     opts = options_from_config(cfg, model_path, run_dir)
-    service = build_service(opts)
-    port = cfg.serve.port or free_port()
-    serve_forever(service, cfg.serve.api_keys, cfg.serve.host, port)
+    reaper = Reaper.start()  # a SIGKILLed server's engine processes (the sampler's vLLM) are stopped too
+    try:
+        service = build_service(opts)
+        port = cfg.serve.port or free_port()
+        serve_forever(service, cfg.serve.api_keys, cfg.serve.host, port)
+    finally:
+        reaper.close()
 
 
 if __name__ == "__main__":

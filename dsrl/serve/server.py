@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -91,13 +92,29 @@ class ServerThread:
         self.service.close()
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def serve_forever(service: Service, api_keys, host: str, port: int) -> None:
+    """Serve until SIGINT or SIGTERM; either way the service is closed (the sampler's vLLM engine
+    processes stopped) before the process exits (SIGTERM: exit status 143).
+
+    uvicorn shuts the HTTP side down on a signal, then raises the signal again under the handler
+    that was there before it ran. SIGINT's default raises KeyboardInterrupt; SIGTERM's default ends
+    the process on the spot, before `service.close()`: the vLLM engine outlived the server. So
+    SIGTERM's handler here turns it into SystemExit."""
     server = _uvicorn_server(service, api_keys, host, port)
     log.info("serve: Tinker service for %r on http://%s:%d  (TINKER_BASE_URL=http://%s:%d)",
              service.opts.model_name, host, port, host, port)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         log.info("serve: stopped")
+    except SystemExit as e:
+        log.info("serve: stopped (exit status %s)", e.code)
+        raise
     finally:
         service.close()

@@ -23,6 +23,10 @@ def start_server(model_path, checkpoint_dir, **overrides):
     return ServerThread(build_service(ServiceOptions(**opts)), [KEY]).start()
 
 
+# The sampler of a server process with `sampling=True` (tiny model, fp32, small KV cache).
+SAMPLER = ["rollout.dtype=float32", "rollout.max_model_len=256", "rollout.kv_cache_gib=1", "rollout.enforce_eager=true"]
+
+
 def start_server_process(tmp_path, model_path, key, *overrides, sampling=False):
     """``python -m dsrl.serve`` as a user starts it (fp32, no sampler unless ``sampling``), on a free port; returns
     (process, url) once /healthz answers, its output going to ``tmp_path/server.log``

@@ -12,7 +12,7 @@ import json
 import os
 
 import pytest
-from serve_helpers import start_server_process
+from serve_helpers import SAMPLER, start_server_process
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +21,6 @@ cookbook = pytest.importorskip("tinker_cookbook", reason="tinker-cookbook not in
 KEY = "tml-cookbook-tests"
 MODEL = "tiny"  # serve.model_name of start_server_process; the test registers its tokenizer under it
 RENDERER = "qwen3_instruct"
-SAMPLER = ["rollout.dtype=float32", "rollout.max_model_len=256", "rollout.kv_cache_gib=1",
-           "rollout.enforce_eager=true"]
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,15 @@
 """``python -m dsrl.serve``: bad serve.* settings stop it before anything loads, each named; a real
-server process answers the SDK (LoRA client: forward_backward, optim_step, save_state)."""
+server process answers the SDK (LoRA client: forward_backward, optim_step, save_state); a server
+stopped by SIGTERM or SIGKILL leaves none of its vLLM engine processes behind."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
-from serve_helpers import start_server_process
+from serve_helpers import SAMPLER, start_server_process
 
 from dsrl.testing import subprocess_env
 
@@ -66,3 +68,21 @@ def test_the_published_key_is_refused_off_loopback(host, refused):
                                     f"serve.host={host!r}")
     cfg.serve = dataclasses.replace(cfg.serve, api_keys=["tml-my-own-secret"])
     assert not [e for e in serve_errors(cfg) if "published default key" in e]
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_stopped_server_leaves_no_engine_process(tmp_path, tiny_model_path, sig):
+    """`kill` (SIGTERM) stops the server after closing the service, exit status 143; before,
+    uvicorn re-raised SIGTERM under the default handler and the sampler's vLLM engine processes
+    outlived the server. SIGKILL: the server's watchdog (dsrl.distributed.reaper) stops them."""
+    import psutil
+
+    proc, _ = start_server_process(tmp_path, tiny_model_path, "tml-entry-test", *SAMPLER, sampling=True)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert any(c.name().startswith("VLLM") for c in children), [c.name() for c in children]
+    os.kill(proc.pid, sig)
+    assert proc.wait(timeout=120) == (128 + signal.SIGTERM if sig == signal.SIGTERM else -signal.SIGKILL)
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"outlived the server: {[(p.pid, p.name()) for p in alive]}"
