@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 
 import pytest
@@ -21,6 +22,24 @@ cookbook = pytest.importorskip("tinker_cookbook", reason="tinker-cookbook not in
 KEY = "tml-cookbook-tests"
 MODEL = "tiny"  # serve.model_name of start_server_process; the test registers its tokenizer under it
 RENDERER = "qwen3_instruct"
+
+
+@pytest.fixture(autouse=True)
+def root_logging_restored():
+    """The cookbook's loops call its `setup_logging`, which replaces the root logger's handlers (a
+    console and a file in the loop's log folder) and level. Put back what was there: otherwise every
+    later test on this worker logs into that folder after it is deleted (FileNotFoundError)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for h in root.handlers[:]:
+        if h not in handlers:
+            root.removeHandler(h)
+            h.close()
+    for h in handlers:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="module")
