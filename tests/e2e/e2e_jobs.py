@@ -1,6 +1,7 @@
 """The tiny fp32 CLI job the e2e tests share, and how they launch it."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,3 +21,17 @@ def job_env(**extra: str) -> dict:
 
 def job_cmd(run_dir: Path, *overrides: str) -> list:
     return [sys.executable, "-m", "dsrl.main", *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def metric_rows(run_dir: Path) -> list:
+    """The run's metrics.jsonl, a dict per step."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def untimed(rows: list) -> list:
+    """The rows without their timings (which differ from run to run)."""
+    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows]
+
+
+def untimed_metrics(run_dir: Path) -> list:
+    return untimed(metric_rows(run_dir))

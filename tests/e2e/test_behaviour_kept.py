@@ -13,7 +13,6 @@ run, which the resume test also uses) and the default job (`+exp=grpo_reuse`: Sm
 `auto`, so bf16 where the CPU has it natively) for 2 steps with evals off."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from dsrl.setup_assets import default_cache_dir
-from e2e_jobs import UNINTERRUPTED, job_cmd, job_env
+from e2e_jobs import UNINTERRUPTED, job_cmd, job_env, untimed_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -69,13 +68,8 @@ def _run_here(run_dir: Path, *overrides: str) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-def _untimed_rows(run_dir: Path) -> list:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows]
-
-
 def _assert_same_run(ref: Path, now: Path) -> None:
-    a, b = _untimed_rows(ref), _untimed_rows(now)
+    a, b = untimed_metrics(ref), untimed_metrics(now)
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         assert ra.keys() == rb.keys(), (ra["step"], sorted(set(ra) ^ set(rb)))

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e_jobs import STEPS, TINY, UNINTERRUPTED, job_cmd, job_env
+from e2e_jobs import STEPS, TINY, UNINTERRUPTED, job_cmd, job_env, metric_rows, untimed, untimed_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -46,10 +46,6 @@ def _equal(a, b, where: str) -> None:
             _equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, (where, a, b)
-
-
-def _untimed(rows: list) -> list:
-    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows]
 
 
 def _same_checkpoint(ca: Path, cb: Path) -> None:
@@ -75,21 +71,13 @@ def _same_checkpoint(ca: Path, cb: Path) -> None:
             _equal(sa, sb, rel)
         elif rel == "trainer_state.json":
             sa, sb = json.loads(fa.read_text()), json.loads(fb.read_text())
-            assert _untimed(sa.pop("metrics")) == _untimed(sb.pop("metrics"))
+            assert untimed(sa.pop("metrics")) == untimed(sb.pop("metrics"))
             sa.pop("config"), sb.pop("config")
             assert sa == sb
         else:
             continue
         checked += 1
     assert checked >= 4, files  # HF weights, DeepSpeed's model and optimizer states, rank state
-
-
-def _rows(run_dir: Path) -> list:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _metrics(run_dir: Path) -> list:
-    return _untimed(_rows(run_dir))
 
 
 def _wait_for(pred, proc: subprocess.Popen, timeout: float, what: str) -> None:
@@ -146,7 +134,7 @@ def test_same_seed_same_run_and_exact_resume_through_sigkill_and_sigterm(tmp_pat
     name = f"step-{step:06d}"
     assert (b / "checkpoints" / name / "COMPLETE.json").exists()
     _same_checkpoint(a / "checkpoints" / name, b / "checkpoints" / name)
-    assert _metrics(b) == _metrics(a)[:step]
+    assert untimed_metrics(b) == untimed_metrics(a)[:step]
 
 
 def test_two_ranks_zero3_launch_and_resume_equals_the_uninterrupted_run(tmp_path, tiny_model_path):
@@ -172,14 +160,14 @@ def test_two_ranks_zero3_launch_and_resume_equals_the_uninterrupted_run(tmp_path
     out = launch(a)
     assert "ranks: 2" in out
     assert sorted(os.listdir(a / "checkpoints")) == ["step-000002"]
-    ma = _metrics(a)
+    ma = untimed_metrics(a)
     assert [m["step"] for m in ma] == [1, 2, 3]
-    for m in _rows(a):
+    for m in metric_rows(a):
         assert m["rollout/logprob_diff"] < 1e-3  # ZeRO-3 gathered full weights reached both workers
         assert m["rollout/sync_logprob_diff"] < 1e-4  # every rank's engine passed the probe after each sync
         assert m["timing/old_logprobs"] == 0.0
     out = launch(c, f"trainer.resume_from={a}")
     assert "continuing after step 2" in out
-    assert _metrics(c) == ma
+    assert untimed_metrics(c) == ma
     wa, wc = load_file(str(a / "final_model" / "model.safetensors")), load_file(str(c / "final_model" / "model.safetensors"))
     assert wa.keys() == wc.keys() and all(torch.equal(wa[k], wc[k]) for k in wa)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import json
 import os
 import re
 import shutil
@@ -125,10 +124,6 @@ def _signal_group(proc, sig) -> None:
         pass
 
 
-def _rows(run_dir: Path) -> list:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _same_two_node_checkpoint(nodes, a: Path, b: Path, tmp: Path) -> None:
     """A's and B's checkpoint folders (paths under nodes.local) hold the same state on both nodes:
     each node's files, joined into one view, compared by E2E._same_checkpoint."""
@@ -183,7 +178,7 @@ def _check_two_step_run(two_nodes, a: Path, out0: str) -> None:
     assert (f"ranks: rank 0 on host {two_nodes.hosts[0]} ({two_nodes.addrs[0]}), "
             f"rank 1 on host {two_nodes.hosts[1]} ({two_nodes.addrs[1]})") in out0, out0[-3000:]
     node0, node1 = two_nodes.on_node(0, a), two_nodes.on_node(1, a)
-    rows = _rows(node0)
+    rows = E2E.metric_rows(node0)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         # Summed over both ranks: one microbatch each (8 of the 16 samples).
@@ -258,7 +253,7 @@ def test_sigterm_stops_both_nodes_with_a_checkpoint_and_the_resume_equals_the_un
         assert f"continuing after step {step}" in resumed.text(0)
     _same_two_node_checkpoint(two_nodes, a / "checkpoints" / "step-000002", b / "checkpoints" / "step-000002",
                               tmp_path)
-    assert E2E._untimed(_rows(two_nodes.on_node(0, b))) == E2E._untimed(_rows(two_nodes.on_node(0, a)))
+    assert E2E.untimed(E2E.metric_rows(two_nodes.on_node(0, b))) == E2E.untimed(E2E.metric_rows(two_nodes.on_node(0, a)))
 
 
 def test_rank_on_node1_killed_node0_names_it_within_the_timeout_and_the_last_checkpoint_resumes(
@@ -296,7 +291,7 @@ def test_rank_on_node1_killed_node0_names_it_within_the_timeout_and_the_last_che
     assert "continuing after step 1" in resumed.text(0)
     _same_two_node_checkpoint(two_nodes, a / "checkpoints" / "step-000002", c / "checkpoints" / "step-000002",
                               tmp_path)
-    assert E2E._untimed(_rows(two_nodes.on_node(0, c))) == E2E._untimed(_rows(two_nodes.on_node(0, a)))
+    assert E2E.untimed(E2E.metric_rows(two_nodes.on_node(0, c))) == E2E.untimed(E2E.metric_rows(two_nodes.on_node(0, a)))
 
 
 def test_a_vanished_host_stops_both_nodes_after_the_process_group_timeout(two_nodes, tiny_model_path, tmp_path):
@@ -380,7 +375,7 @@ def _ray_cluster_run(two_nodes, env, tmp_path) -> None:
     up = re.search(r"rollout engines up: engine-(\d) on ([0-9.]+) .*; engine-(\d) on ([0-9.]+) ", text)
     assert up and {up.group(2), up.group(4)} == set(two_nodes.addrs), text[-4000:]  # one engine on each host
     worker = int(up.group(1) if up.group(2) == two_nodes.addrs[1] else up.group(3))
-    for row in _rows(two_nodes.on_node(0, run_dir)):
+    for row in E2E.metric_rows(two_nodes.on_node(0, run_dir)):
         assert row["rollout/engine0_prompts"] > 0 and row["rollout/engine1_prompts"] > 0, row
         assert row["rollout/sync_logprob_diff"] < 1e-4  # weights pushed through the object store reached both hosts
 
