@@ -11,7 +11,7 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --n
 export RAY_AUTH_MODE ?= disabled
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup train train-2rank test test-fast bench-reuse bench-train bench-dtype bench-seeds bench-logprobs bench-overlap bench-overlap-learn bench-rollout bench-step bench-sync bench-lora clean-outputs
+.PHONY: setup train train-2rank test test-fast bench-reuse bench-train bench-dtype bench-seeds bench-logprobs bench-overlap bench-overlap-learn bench-rollout bench-step bench-sync bench-lora bench-ceiling clean-outputs
 
 setup: $(STAMP)
 
@@ -72,6 +72,12 @@ bench-lora: setup
 # (ARGS="bench.model=tiny bench.dtypes=float32 bench.rounds=3 bench.bucket_mb=256").
 bench-sync: setup
 	$(PY) bench/bench_sync.py $(ARGS)
+
+# The default job's train phase, scoring forward and rollout against this machine's ceiling (the
+# phase's own matrix multiplies replayed alone; the engine's plain generate on the same requests);
+# ARGS="bench.profile=1" adds a torch.profiler table of one train phase (operators, dsrl functions).
+bench-ceiling: setup
+	$(PY) bench/bench_ceiling.py $(ARGS)
 
 # GPU smoke checks (gpu-path.md §6): trainer level (torch + deepspeed only), then the vLLM level;
 # each prints "no CUDA device: skipped" and exits 0 on a machine without a GPU.
