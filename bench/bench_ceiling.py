@@ -17,9 +17,8 @@
   plain `LLM.generate` on the same requests (same prompts, n, seeds, max_tokens), rounds
   interleaved A B B A, generated tokens/s of each; the engine is closed before the trainer is
   measured so it does not compete for the cores.
-- bench.profile=1: one more policy update under torch.profiler (with Python stacks): the top
-  operators by self CPU time, and the same time grouped by the innermost dsrl function on each
-  operator's stack.
+- bench.profile=1: one more policy update under torch.profiler (the top operators by self CPU
+  time) and one under cProfile (the dsrl functions by cumulative time).
 
     make bench-ceiling                                   # SmolLM2, default job, 3 rounds
     make bench-ceiling ARGS="bench.profile=1"            # and the profile of one train phase
@@ -234,32 +233,39 @@ def timed_score(trainer, samples) -> float:
 
 
 def profile_train(trainer, samples, step, top: int) -> None:
-    """One policy update under torch.profiler: top operators, and time by innermost dsrl function."""
+    """One policy update under torch.profiler (operators, self CPU time; no Python stacks, whose
+    tracing would inflate every operator), then one more under cProfile for the dsrl functions
+    (cumulative time of each function defined in dsrl/: what its calls cost, callees included)."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         train_once(trainer, samples, step)
-    def is_operator(name: str) -> bool:  # with_stack also records Python function events (any thread)
-        return ".py(" not in name and not name.startswith("<built-in")
-
-    events = [e for e in prof.key_averages() if is_operator(e.key)]
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
-    print(f"\n== profile of one train phase: top {top} operators by self CPU time "
-          f"(total {total / 1e6:.2f} s of operator time) ==")
+    print(f"\n== profile of one train phase ({wall:.2f} s under the profiler): top {top} operators by self "
+          f"CPU time (all operators: {total / 1e6:.2f} s) ==")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
         print(f"{e.self_cpu_time_total / 1e6:7.3f} s  {100 * e.self_cpu_time_total / total:5.1f}%  "
               f"calls {e.count:6d}  {e.key}")
-    by_fn = collections.Counter()
+
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    train_once(trainer, samples, step + 1)
+    pr.disable()
+    wall = time.perf_counter() - t0
     root = os.path.dirname(HERE) + os.sep
-    for ev in prof.events():
-        if ev.self_cpu_time_total <= 0 or not is_operator(ev.name):
-            continue
-        where = next((f for f in ev.stack or () if "dsrl" + os.sep in f and "bench" + os.sep not in f),
-                     "(no dsrl frame)")
-        by_fn[where.replace(root, "")] += ev.self_cpu_time_total
-    print(f"\n== the same operator time by the innermost dsrl function on its stack (top {top}) ==")
-    for where, us in by_fn.most_common(top):
-        print(f"{us / 1e6:7.3f} s  {100 * us / total:5.1f}%  {where}")
+    rows = [(ct, nc, f"{fn.replace(root, '')}:{line}({name})")
+            for (fn, line, name), (_, nc, _, ct, _) in pstats.Stats(pr).stats.items()
+            if f"{os.sep}dsrl{os.sep}" in fn]
+    print(f"\n== the next train phase under cProfile ({wall:.2f} s): top {top} dsrl functions by cumulative time ==")
+    for ct, nc, where in sorted(rows, reverse=True)[:top]:
+        print(f"{ct:7.3f} s  {100 * ct / wall:5.1f}%  calls {nc:5d}  {where}")
 
 
 def _tf(flops, seconds) -> str:

@@ -68,102 +68,66 @@ def old_rollout_settings():
 @dataclasses.dataclass
 class Mode:
     name: str
-    cfg: object
-    decision: object
-    skip: tuple  # (skip_zero_advantage, reason)
-    worker: object
-    steps_per_rollout: int = 1
+    trainer: object  # a whole dsrl Trainer (its own actor, engine, prompt stream from the same seed)
     rows: list = dataclasses.field(default_factory=list)
-    pushes: int = 0  # timed weight pushes so far (the probe schedule of this mode counts them)
+    step: int = 0
 
 
-def build_modes(overrides, budget):
+def build_trainer(overrides, *, old_engine=False):
     from hydra import compose, initialize_config_dir
 
-    from dsrl.loss.skip import zero_advantage_skip
     from dsrl.main import build
-    from dsrl.rollout.factory import build_rollout
-    from dsrl.validation.reuse import decide_reuse
 
-    on = [f"actor.max_tokens_per_microbatch={budget}", "actor.shared_prompt=auto", "algo.reuse_logprobs=auto",
-          "algo.skip_zero_variance_groups=true", f"rollout.sync_probe_every={PROBE_EVERY}"]
     with initialize_config_dir(config_dir=os.path.abspath(os.path.join(ROOT, "conf")), version_base=None):
-        node = compose(config_name="config", overrides=DEFAULTS + on + list(overrides))
-    run_dir = tempfile.mkdtemp(prefix="bench_step_")
-    trainer = build(node, run_dir)
-    c = trainer.cfg
-    off_cfg = dataclasses.replace(
-        c, actor=dataclasses.replace(c.actor, max_tokens_per_microbatch=0, shared_prompt="off"),
-        algo=dataclasses.replace(c.algo, reuse_logprobs="off", skip_zero_variance_groups=False),
-        rollout=dataclasses.replace(c.rollout, sync_probe_every=1))
-    with old_rollout_settings():
-        old_worker = build_rollout(off_cfg, _model_path(c), run_dir)
-    modes = {"on": Mode("all on", c, trainer.decision, (trainer.skip_zero_advantage, trainer.skip_reason),
-                        trainer.worker),
-             "off": Mode("all off", off_cfg, decide_reuse(off_cfg), zero_advantage_skip(off_cfg), old_worker)}
-    return trainer, modes
+        node = compose(config_name="config", overrides=DEFAULTS + list(overrides))
+    with old_rollout_settings() if old_engine else contextlib.nullcontext():
+        return build(node, tempfile.mkdtemp(prefix="bench_step_"))
+
+
+# Each mode is a dsrl Trainer of its own, built from the same job and seed.
+ALL_ON = ["actor.shared_prompt=auto", "algo.reuse_logprobs=auto", "algo.skip_zero_variance_groups=true",
+          f"rollout.sync_probe_every={PROBE_EVERY}"]
+MODES = {
+    "on": ("all on", ALL_ON),
+    # every speed-up on but the zero-variance skip: every sample trained, as TRL does
+    "every": ("all on, every sample trained", ALL_ON + ["algo.skip_zero_variance_groups=false"]),
+    "off": ("all off", ["actor.max_tokens_per_microbatch=0", "actor.shared_prompt=off", "algo.reuse_logprobs=off",
+                        "algo.skip_zero_variance_groups=false", "rollout.sync_probe_every=1"]),
+}
+
+
+def build_modes(overrides, budget, keys=("on", "off")):
+    """The chosen modes: every speed-up on, the same with every sample trained, all of them off
+    (with the engine settings from before issue 9)."""
+    out = {}
+    for key in keys:
+        name, settings = MODES[key]
+        if key != "off":
+            settings = [f"actor.max_tokens_per_microbatch={budget}"] + settings
+        out[key] = Mode(name, build_trainer(settings + list(overrides), old_engine=key == "off"))
+    return out
 
 
 def build_adaptive_modes(overrides, budget, k):
     """algo.num_steps_per_rollout=k: reuse_logprobs=adaptive (rollout log-probs + probe) against the
-    full old-policy pass (off), every other speed-up on in both, one engine."""
-    from hydra import compose, initialize_config_dir
-
-    from dsrl.main import build
-    from dsrl.validation.reuse import decide_reuse, steps_per_rollout
-
-    on = [f"actor.max_tokens_per_microbatch={budget}", "actor.shared_prompt=auto", "algo.reuse_logprobs=adaptive",
-          "algo.skip_zero_variance_groups=true", f"algo.num_steps_per_rollout={k}", f"algo.global_batch_size={64 // k}"]
-    with initialize_config_dir(config_dir=os.path.abspath(os.path.join(ROOT, "conf")), version_base=None):
-        node = compose(config_name="config", overrides=DEFAULTS + on + list(overrides))
-    trainer = build(node, tempfile.mkdtemp(prefix="bench_step_"))
-    c = trainer.cfg
-    off_cfg = dataclasses.replace(c, algo=dataclasses.replace(c.algo, reuse_logprobs="off"))
-    skip = (trainer.skip_zero_advantage, trainer.skip_reason)
-    modes = {"on": Mode("adaptive", c, trainer.decision, skip, trainer.worker, steps_per_rollout(c)),
-             "off": Mode("full pass", off_cfg, decide_reuse(off_cfg), skip, trainer.worker, steps_per_rollout(c))}
-    return trainer, modes
+    full old-policy pass (off), every other speed-up on in both."""
+    common = [f"actor.max_tokens_per_microbatch={budget}", "actor.shared_prompt=auto",
+              "algo.skip_zero_variance_groups=true", f"algo.num_steps_per_rollout={k}",
+              f"algo.global_batch_size={64 // k}"]
+    return {"on": Mode("adaptive", build_trainer(common + ["algo.reuse_logprobs=adaptive"] + list(overrides))),
+            "off": Mode("full pass", build_trainer(common + ["algo.reuse_logprobs=off"] + list(overrides)))}
 
 
-def _model_path(cfg):
-    from dsrl.setup_assets import default_cache_dir, resolve_model_path
-
-    return resolve_model_path(cfg.model.path, str(default_cache_dir()))
-
-
-def use(trainer, mode):
-    trainer.cfg, trainer.decision, trainer.worker = mode.cfg, mode.decision, mode.worker
-    sync = trainer.weight_sync  # pushes into, and probes, this mode's engine on this mode's schedule
-    sync.worker, sync.probe_every, sync.pushes = mode.worker, mode.cfg.rollout.sync_probe_every, mode.pushes
-    # The shared-prompt decision is cached on the engine (dsrl.actor.shared_prompt): decide anew for
-    # this mode's actor.shared_prompt, or "all off" would train in the shared layout too.
-    trainer.actor._shared_prompt_decision = None
-    trainer.skip_zero_advantage, trainer.skip_reason = mode.skip
-    trainer.steps_per_rollout = mode.steps_per_rollout
-
-
-def push_untimed(trainer, worker, step):
-    """The engine not used by a step gets the new weights too, untimed and unprobed (its own
-    timed pushes are probed on its mode's schedule)."""
-    sync = trainer.weight_sync
-    saved = trainer.worker, sync.worker, sync.probe
-    trainer.worker, sync.worker, sync.probe = worker, worker, False
-    try:
-        trainer._push_weights(step)
-    finally:
-        trainer.worker, sync.worker, sync.probe = saved
-
-
-def run_dsrl(overrides, steps, budget, adaptive=0, trl=None):
-    """Rounds of one step per mode (ABBA); with `trl` (a TRLLockstep started on the first round),
-    one TRL step per round too, between dsrl's (A B T, T B A), so all three see the same load."""
-    trainer, modes = build_adaptive_modes(overrides, budget, adaptive) if adaptive else build_modes(overrides, budget)
-    order = ["on", "off", "trl"] if trl is not None else ["on", "off"]
+def run_dsrl(overrides, steps, budget, adaptive=0, trl=None, keys=("on", "off")):
+    """Rounds of one step per mode (A B C, C B A, ...); with `trl` (a TRLLockstep started on the
+    first round), one TRL step per round too, among dsrl's, so all of them see the same load."""
+    modes = build_adaptive_modes(overrides, budget, adaptive) if adaptive else build_modes(overrides, budget, keys)
+    cfg = next(iter(modes.values())).trainer.cfg
+    order = list(modes) + (["trl"] if trl is not None else [])
     trl_rows = []
     try:
         if trl is not None:
-            trl.start(trainer.cfg.model.dtype, steps + 1)
-        step = 0
+            trl.start(cfg, steps + 1)
         for k in range(steps + 1):  # round 0 warms every mode up
             for key in (order if k % 2 == 0 else order[::-1]):
                 if key == "trl":
@@ -173,52 +137,57 @@ def run_dsrl(overrides, steps, budget, adaptive=0, trl=None):
                     print(f"TRL step {'(warm-up) ' if not k else ''}step={t:.2f}s", flush=True)
                     continue
                 mode = modes[key]
-                use(trainer, mode)
-                step += 1
-                m = trainer.step(step)
-                mode.pushes = trainer.weight_sync.pushes
-                push_untimed(trainer, modes["off" if key == "on" else "on"].worker, step)
+                mode.step += 1
+                m = mode.trainer.step(mode.step)
                 row = {p: m.get(f"timing/{p}", 0.0) for p in PHASES}
                 row["step"] = m["timing/step"]
                 if k:
                     mode.rows.append(row)
-                print(f"step {step:2d} {mode.name:<7} {'(warm-up) ' if not k else ''}"
+                print(f"step {mode.step:2d} {mode.name:<9} {'(warm-up) ' if not k else ''}"
                       + " ".join(f"{p}={row[p]:.2f}s" for p in ("step", *PHASES))
-                      + f" reward={m.get('reward/mean', 0):.3f}", flush=True)
+                      + f" reward={m.get('reward/mean', 0):.3f} length={m.get('rollout/response_length', 0):.0f}",
+                      flush=True)
     finally:
         for mode in modes.values():
             with contextlib.suppress(Exception):
-                mode.worker.close()
+                mode.trainer.worker.close()
         if trl is not None:
             trl.close()
-    dtype = trainer.cfg.model.dtype
-    del trainer
+    dtype, tokens = cfg.model.dtype, cfg.rollout.max_new_tokens
+    for mode in modes.values():
+        mode.trainer = None
     gc.collect()
     med = {key: {p: statistics.median(r[p] for r in mode.rows) for p in ("step", *PHASES)}
            for key, mode in modes.items()}
-    job = f"algo.num_steps_per_rollout={adaptive}" if adaptive else "default job"
-    print(f"\n== whole step, {job} ({dtype}), medians of {steps} steps per mode, interleaved ==")
+    job = f"algo.num_steps_per_rollout={adaptive}" if adaptive else f"{cfg.name} job"
+    print(f"\n== whole step, {job} ({dtype}, {tokens} new tokens), medians of {steps} steps per mode, "
+          "interleaved ==")
     for key, mode in modes.items():
-        print(f"{mode.name:<8} step {med[key]['step']:.2f}s  ("
+        print(f"{mode.name:<9} step {med[key]['step']:.2f}s  ("
               + ", ".join(f"{p} {med[key][p]:.2f}s" for p in PHASES) + ")")
-    print(f"ratio step time, {modes['on'].name} / {modes['off'].name}: {med['on']['step'] / med['off']['step']:.3f}")
+    for key in (k for k in ("on", "every") if k in med and "off" in med):
+        print(f"ratio step time, {modes[key].name} / {modes['off'].name}: {med[key]['step'] / med['off']['step']:.3f}")
     if trl_rows:
         trl_step = statistics.median(trl_rows)
-        print(f"\n== dsrl vs TRL {trl.version} GRPOTrainer, same work ({dtype}, 8x8 samples, 16 tokens), "
-              f"steps interleaved ==")
+        print(f"\n== dsrl vs TRL {trl.version} GRPOTrainer, same work ({dtype}, "
+              f"{cfg.algo.rollout_batch_size}x{cfg.algo.n_samples_per_prompt} samples, {tokens} tokens), "
+              "steps interleaved ==")
         print(f"TRL step {trl_step:.2f}s (median of {len(trl_rows)}: {' '.join(f'{t:.1f}' for t in trl_rows)})")
-        print(f"dsrl step (all on) {med['on']['step']:.2f}s")
-        print(f"ratio dsrl / TRL: {med['on']['step'] / trl_step:.3f}  (issue 9 goal: <= 0.25)")
-    return med["on"]["step"], dtype
+        for key, mode in modes.items():
+            print(f"ratio dsrl ({mode.name}) / TRL at {tokens} tokens: {med[key]['step'] / trl_step:.3f}"
+                  + ("  (goal: <= 0.25)" if key == "every" else ""))
+    return med, dtype
 
 
-def trl_prompts(n_prompts):
+def trl_prompts(cfg, n_prompts):
+    """The job's prompts (its data source and system prompt, the same stream seed) as chat messages."""
     import random
 
+    from dsrl.data.chat import build_messages
     from dsrl.data.registry import make_source
 
-    prompts = make_source("arith").sample_train(n_prompts, random.Random(0))
-    return [{"messages": list(p.messages), "answer": p.answer} for p in prompts]
+    prompts = make_source(cfg.data.name).sample_train(n_prompts, random.Random(cfg.data.seed))
+    return [{"messages": build_messages(p, cfg.data.system_prompt), "answer": str(p.answer)} for p in prompts]
 
 
 class TRLLockstep:
@@ -228,13 +197,21 @@ class TRLLockstep:
     def __init__(self, python):
         self.python, self.proc, self.version = python, None, "?"
 
-    def start(self, dtype, steps):
-        from dsrl.setup_assets import smollm2_path
+    def start(self, cfg, steps):
+        """TRL on the job's work: its model, dtype, data and verifier (arith: the first number,
+        gsm8k: the last one), group size, prompts per step, new tokens, lr and temperature."""
+        from dsrl.setup_assets import default_cache_dir, resolve_model_path
 
         out = tempfile.mkdtemp(prefix="bench_trl_")
-        spec = {"model": str(smollm2_path()), "dtype": dtype, "steps": steps, "n_samples": 8, "prompts_per_step": 8,
-                "micro_batch_size": 8, "max_tokens": 16, "threads": os.cpu_count() or 2, "lockstep": True,
-                "prompts": trl_prompts(8 * steps), "output_dir": out}
+        a = cfg.algo
+        spec = {"model": resolve_model_path(cfg.model.path, str(default_cache_dir())), "dtype": cfg.model.dtype,
+                "steps": steps, "n_samples": a.n_samples_per_prompt, "prompts_per_step": a.rollout_batch_size,
+                "micro_batch_size": cfg.actor.micro_batch_size, "max_tokens": cfg.rollout.max_new_tokens,
+                "temperature": cfg.rollout.temperature, "lr": cfg.actor.lr, "reward": cfg.data.name,
+                "threads": os.cpu_count() or 2, "lockstep": True,
+                "prompts": trl_prompts(cfg, a.rollout_batch_size * steps), "output_dir": out}
+        if spec["reward"] not in ("arith", "gsm8k"):
+            raise SystemExit(f"bench_step: TRL's side has rewards for data.name=arith and gsm8k, not {spec['reward']}")
         path = os.path.join(out, "spec.json")
         with open(path, "w") as f:
             json.dump(spec, f)
@@ -268,14 +245,19 @@ class TRLLockstep:
 def main(argv) -> int:
     opts = {"steps": 4, "budget": 2048, "trl": 1, "adaptive": 0}
     trl_python = "/work/trl-venv/bin/python"
+    keys = ("on", "off")
     overrides = []
     for a in argv:
         key, _, value = a.partition("=")
         if key == "bench.trl_python":
             trl_python = value
+        elif key == "bench.modes":
+            keys = tuple(value.split(","))
+            if not keys or any(k not in MODES for k in keys):
+                raise SystemExit(f"bench.modes={value}: a comma-separated subset of {', '.join(MODES)}")
         elif key.startswith("bench."):
             if key[6:] not in opts:
-                raise SystemExit(f"unknown option {key} (known: bench.trl_python, "
+                raise SystemExit(f"unknown option {key} (known: bench.trl_python, bench.modes, "
                                  f"{', '.join('bench.' + k for k in opts)})")
             opts[key[6:]] = int(value)
         else:
@@ -289,7 +271,7 @@ def main(argv) -> int:
             trl = TRLLockstep(trl_python)
         else:
             print(f"TRL not installed: skipped ({trl_python} not found)")
-    run_dsrl(overrides, opts["steps"], opts["budget"], opts["adaptive"], trl)
+    run_dsrl(overrides, opts["steps"], opts["budget"], opts["adaptive"], trl, keys)
     return 0
 
 

@@ -50,7 +50,7 @@ def _agreement(trainer, samples):
     out = {}
     for on in (False, True):
         actor._shared_prompt_decision = SharedPromptDecision(on, "bench")
-        out[on] = trainer._score(actor, samples, "bench")
+        out[on] = trainer.scoring.score(actor, samples, "bench")
     return max(float((a - b).abs().max()) for a, b in zip(out[True], out[False]))
 
 
@@ -72,8 +72,7 @@ def main(argv) -> int:
         if path and os.path.exists(path):  # the rollout of an earlier run (same job): skip generation
             samples = pickle.load(open(path, "rb"))
         else:
-            collected = trainer._collect_samples(1)
-            samples = list(getattr(collected, "samples", collected))  # a Rollout (or a plain list of samples)
+            samples = trainer.rollout._rollout(1, weights_step=0, show_progress=False).samples
             if path:
                 pickle.dump(samples, open(path, "wb"))
     finally:
@@ -90,10 +89,13 @@ def main(argv) -> int:
     modes = MODES_OF(opts["max_tokens"])
 
     def run(name, shared, budget, step):
-        trainer.cfg = dataclasses.replace(cfg0, actor=dataclasses.replace(cfg0.actor, max_tokens_per_microbatch=budget))
+        # The policy update packs by its own config; the layout decision is cached on the engine.
+        trainer.policy.cfg = dataclasses.replace(cfg0, actor=dataclasses.replace(cfg0.actor,
+                                                                                 max_tokens_per_microbatch=budget))
         trainer.actor._shared_prompt_decision = SharedPromptDecision(shared, "bench")
         trainer.timer.pop()
-        m = trainer.train_on(samples)
+        trainer.actor.weights_pushed()  # the engine is closed: mark the push each step of the job makes
+        m = trainer.train_on(samples, step + 1)
         t = trainer.timer.pop()["timing/train"]
         print(f"round {step:2d} {name:13s} train={t:6.2f}s microbatches={m['train/microbatches']:.0f} "
               f"pad_fraction={m['train/pad_fraction']:.3f} loss={m['train/loss']:+.4f}", flush=True)
