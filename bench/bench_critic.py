@@ -40,7 +40,8 @@ def _samples(groups, per_group, prompt_len, lo, hi, vocab, seed=0):
 
 def main(argv) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="auto", help="auto (SmolLM2 if converted, else tiny), smollm2, tiny, or a folder")
+    ap.add_argument("--model", default="auto",
+                    help="auto (SmolLM2 if converted, else tiny), smollm2, tiny, or a folder")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--micro-batch-size", type=int, default=8)

@@ -63,8 +63,8 @@ _RANGES = {
     "critic.weight_decay": (lambda v: v >= 0, ">= 0"),
     "critic.grad_clip": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     "critic.micro_batch_size": (lambda v: v is None or v >= 1, ">= 1 or null (actor.micro_batch_size)"),
-    "critic.max_tokens_per_microbatch": (lambda v: v is None or v >= 0,
-                                         ">= 0 (0 = count-based microbatches) or null (actor.max_tokens_per_microbatch)"),
+    "critic.max_tokens_per_microbatch": (
+        lambda v: v is None or v >= 0, ">= 0 (0 = count-based microbatches) or null (actor.max_tokens_per_microbatch)"),
     "algo.max_sampling_rounds": (lambda v: v >= 1, ">= 1"),
     "algo.off_policy_steps": (lambda v: v in (0, 1), "0 (synchronous) or 1 (one-step-off-policy overlap)"),
     "logger.plot_every": (lambda v: v >= 1, ">= 1"),
