@@ -11,7 +11,7 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --n
 export RAY_AUTH_MODE ?= disabled
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup train train-2rank test test-fast bench-reuse bench-train bench-dtype bench-seeds bench-logprobs bench-overlap bench-overlap-learn bench-rollout bench-step bench-sync bench-lora bench-ceiling clean-outputs
+.PHONY: setup train train-2rank test test-fast bench-reuse bench-train bench-critic bench-dtype bench-seeds bench-logprobs bench-overlap bench-overlap-learn bench-rollout bench-step bench-sync bench-lora bench-ceiling clean-outputs
 
 setup: $(STAMP)
 
@@ -36,6 +36,9 @@ bench-reuse: setup
 
 bench-train: setup
 	$(PY) bench/bench_train.py $(ARGS)
+
+bench-critic: setup
+	$(PY) bench/bench_critic.py $(ARGS)
 
 bench-dtype: setup
 	$(PY) bench/bench_dtype.py $(ARGS)

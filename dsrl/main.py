@@ -156,9 +156,12 @@ def build(cfg_node: DictConfig, run_dir: str):
     _configure_env(cache)
     model_path = resolve_model_path(cfg.model.path, cache)
     decision = reuse_for_model_config(decision, cfg, model_path)  # HF config fields; still no model loaded
+    from dsrl.actor.critic import critic_model_path
     from dsrl.actor.shared_prompt import check_shared_prompt_config
 
-    check_shared_prompt_config(cfg, model_path)  # actor.shared_prompt=on where not exact: ConfigError here
+    # actor.shared_prompt (and critic.shared_prompt for gae's critic) =on where not exact: ConfigError here
+    check_shared_prompt_config(cfg, model_path, critic_model_path(cfg, model_path,
+                                                                  lambda p: resolve_model_path(p, cache)))
     from dsrl.actor.lora import check_targets
 
     check_targets(cfg.actor.lora, model_path)  # actor.lora.target_modules matching no layer: ConfigError here

@@ -4,8 +4,11 @@ critic and the policy loss only the actor.
 
 Values are aligned like the actor's log-probs (dsrl.loss.types): column t of a microbatch's
 [B, T-1] values is V(tokens 0..t), the state from which target token t+1 is generated, read from
-the backbone's hidden state at position t. Shared-prompt microbatches (dsrl.actor.shared_prompt)
-are read through the same `logit_index` gather as the actor's logits.
+the backbone's hidden state at position t. The critic packs like the actor
+(dsrl.stages.critic): shared-prompt microbatches (dsrl.actor.shared_prompt; decided for the
+critic's own model by critic.shared_prompt, null = actor.shared_prompt) are forwarded with their
+4-D mask and position ids, the value head runs on the kept positions and the response-aligned
+[B, R] values are gathered through `logit_index`, exactly where the actor reads its logits.
 
 Gradient scaling follows the actor (dsrl.actor.engine): value losses return Aggregator partial
 sums, `backward` multiplies by the DP world size to undo DeepSpeed's averaging, GAS=1 with a
@@ -61,6 +64,7 @@ class CriticEngine(DeepSpeedModel):
 
     ds_tag = _DS_TAG
     checkpoint_name = "critic"
+    role = "critic"  # engine_uses_shared_prompt: critic.shared_prompt decides this engine's layout
 
     def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "float32",
                  attn_implementation: str = "eager", lr: float = 1e-5, betas: Iterable[float] = (0.9, 0.999),
@@ -84,6 +88,7 @@ class CriticEngine(DeepSpeedModel):
                                    dtype=_DTYPES[dtype], attn_implementation=attn_implementation)
         if gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.hf_config = backbone.config  # the loaded model's (attention implementation resolved)
         hidden = int(hf_config.hidden_size)
         model = ValueModel(backbone, hidden)
         model.value_head.to(_DTYPES[dtype])
@@ -149,17 +154,25 @@ class CriticEngine(DeepSpeedModel):
     # DeepSpeedModel's.
 
 
+def critic_model_path(cfg, model_path: str, resolve_path: Callable[[str], str] = str) -> Optional[str]:
+    """The critic's backbone folder (critic.path after `resolve_path`, else the actor's
+    `model_path`), or None when algo.advantage_estimator reads no values (no critic is built)."""
+    from dsrl.loss.registry import get_advantage_estimator
+
+    if not getattr(get_advantage_estimator(cfg.algo.advantage_estimator), "needs_values", False):
+        return None
+    return resolve_path(cfg.critic.path) if cfg.critic.path else model_path
+
+
 def build_critic(cfg, model_path: str, *, dtype: str, attn_implementation: str,
                  resolve_path: Callable[[str], str] = str) -> Optional[CriticEngine]:
     """The critic of `cfg` (Config), or None when algo.advantage_estimator reads no values.
     `model_path`/`dtype`/`attn_implementation`: the actor's resolved ones; critic.path, when set,
     overrides the path after `resolve_path` (dsrl.main: a model name such as smollm2 -> its folder)."""
-    from dsrl.loss.registry import get_advantage_estimator
-
-    if not getattr(get_advantage_estimator(cfg.algo.advantage_estimator), "needs_values", False):
+    path = critic_model_path(cfg, model_path, resolve_path)
+    if path is None:
         return None
     c, a = cfg.critic, cfg.actor
-    path = resolve_path(c.path) if c.path else model_path
     return CriticEngine(path, zero_stage=a.zero_stage if c.zero_stage is None else c.zero_stage,
                         dtype=dtype, attn_implementation=attn_implementation, lr=c.lr, betas=a.betas, eps=a.eps,
                         weight_decay=c.weight_decay, grad_clip=c.grad_clip,

@@ -60,46 +60,69 @@ def _unsupported_reason(hf_config, attn_implementation: Optional[str]) -> Option
 
 
 def decide_shared_prompt(mode: str, hf_config, attn_implementation: Optional[str] = None, *,
-                         hooks: Sequence = ()) -> SharedPromptDecision:
-    """actor.shared_prompt=auto|on|off for one model. `on` where the layout is not exact for the
-    model is a ConfigError naming the key; `auto` turns it off and says why."""
+                         hooks: Sequence = (), key: str = "actor.shared_prompt",
+                         follows: Optional[str] = None) -> SharedPromptDecision:
+    """`key`=auto|on|off (actor.shared_prompt; critic.shared_prompt for the critic's model, which
+    `follows` actor.shared_prompt where null) for one model. `on` where the layout is not exact
+    for the model is a ConfigError naming the key; `auto` turns it off and says why."""
     from dsrl.errors import ConfigError
 
+    setting = f"{key}={mode}" if follows is None else f"{key}=null, so {follows}={mode}"
     if mode == "off":
-        return SharedPromptDecision(False, "shared-prompt forward off (actor.shared_prompt=off)")
+        return SharedPromptDecision(False, f"shared-prompt forward off ({setting})")
     why = _unsupported_reason(hf_config, attn_implementation)
     if why is not None:
         if mode == "on":
-            raise ConfigError(f"actor.shared_prompt=on is not exact for this model: {why}; "
-                              "set actor.shared_prompt=auto or off")
+            raise ConfigError(f"{setting} is not exact for this model: {why}; set {key}=auto or off")
         return SharedPromptDecision(False, f"shared-prompt forward off: {why}")
     if mode == "auto" and hooks:
         return SharedPromptDecision(False, "shared-prompt forward off: trainer.before_train_step_hooks see "
-                                           "microbatches, which keep the dense layout (set actor.shared_prompt=on)")
-    return SharedPromptDecision(True, f"shared-prompt forward on (actor.shared_prompt={mode}): each group's "
+                                           f"microbatches, which keep the dense layout (set {key}=on)")
+    return SharedPromptDecision(True, f"shared-prompt forward on ({setting}): each group's "
                                       "prompt is forwarded once per microbatch")
 
 
-def check_shared_prompt_config(cfg, model_path: str) -> SharedPromptDecision:
-    """Before any weights load: read the model's HF config and fail on an inexact `on`."""
+def critic_shared_prompt_setting(cfg) -> dict:
+    """decide_shared_prompt's arguments for the critic's layout: critic.shared_prompt, or
+    actor.shared_prompt where it is null. trainer.before_train_step_hooks never see the critic's
+    microbatches, so they never turn it off."""
+    if cfg.critic.shared_prompt is None:
+        return {"mode": cfg.actor.shared_prompt, "key": "critic.shared_prompt", "follows": "actor.shared_prompt"}
+    return {"mode": cfg.critic.shared_prompt, "key": "critic.shared_prompt"}
+
+
+def check_shared_prompt_config(cfg, model_path: str, critic_path: Optional[str] = None) -> SharedPromptDecision:
+    """Before any weights load: read the model's HF config and fail on an inexact `on`; with
+    `critic_path` (a critic is built) the same for the critic's model and mode."""
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(model_path)
-    return decide_shared_prompt(cfg.actor.shared_prompt, hf_config, cfg.model.attn_implementation,
-                                hooks=cfg.trainer.before_train_step_hooks)
+    decision = decide_shared_prompt(cfg.actor.shared_prompt, hf_config, cfg.model.attn_implementation,
+                                    hooks=cfg.trainer.before_train_step_hooks)
+    if critic_path is not None:
+        critic_config = hf_config if critic_path == model_path else AutoConfig.from_pretrained(critic_path)
+        decide_shared_prompt(hf_config=critic_config, attn_implementation=cfg.model.attn_implementation,
+                             **critic_shared_prompt_setting(cfg))
+    return decision
 
 
 def engine_uses_shared_prompt(cfg, engine) -> bool:
-    """The decision for one engine (actor, reference or teacher may differ), made once per
-    engine and logged once."""
+    """The decision for one engine (actor, reference, teacher or critic may differ), made once
+    per engine and logged once. The critic (role "critic") follows critic_shared_prompt_setting;
+    every other engine actor.shared_prompt."""
     cached = getattr(engine, "_shared_prompt_decision", None)
     if cached is None and getattr(engine, "hf_config", None) is None:
         cached = SharedPromptDecision(False, "shared-prompt forward off: the engine has no HF model config")
         engine._shared_prompt_decision = cached
     if cached is None:
-        hooks = cfg.trainer.before_train_step_hooks if getattr(engine, "trainable", True) else ()
-        cached = decide_shared_prompt(cfg.actor.shared_prompt, engine.hf_config,
-                                      getattr(engine.hf_config, "_attn_implementation", None), hooks=hooks)
+        if getattr(engine, "role", None) == "critic":
+            setting = critic_shared_prompt_setting(cfg)
+        else:
+            hooks = cfg.trainer.before_train_step_hooks if getattr(engine, "trainable", True) else ()
+            setting = {"mode": cfg.actor.shared_prompt, "hooks": hooks}
+        cached = decide_shared_prompt(hf_config=engine.hf_config,
+                                      attn_implementation=getattr(engine.hf_config, "_attn_implementation", None),
+                                      **setting)
         engine._shared_prompt_decision = cached
         log.info("%s: %s", getattr(engine, "role", "engine"), cached.reason)
     return cached.on

@@ -269,6 +269,12 @@ class CriticConfig:
     grad_clip: float = 1.0
     # Samples per critic microbatch (training and the values pass); null = actor.micro_batch_size.
     micro_batch_size: Optional[int] = None
+    # Shared-prompt forward of the critic (values pass and training): auto | on | off, decided for the
+    # critic's own model as actor.shared_prompt is for the actor's; null = actor.shared_prompt.
+    shared_prompt: Optional[str] = None
+    # Token budget of one critic microbatch (values pass and training; rows x longest row, padding
+    # included); 0 = micro_batch_size samples per microbatch; null = actor.max_tokens_per_microbatch.
+    max_tokens_per_microbatch: Optional[int] = None
     # Value loss from dsrl.loss.value's registry: clipped (PPO-style, algo.value_clip), or a dotted path.
     loss: str = "clipped"
     # Recompute activations in the critic's backward.

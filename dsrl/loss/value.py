@@ -81,7 +81,8 @@ def explained_variance_sums(values: torch.Tensor, returns: torch.Tensor, active:
 def clipped_value_loss(inputs: ValueLossInputs) -> LossOutput:
     """PPO's clipped value loss per token: 0.5 * max((V - R)², (V_clip - R)²) with
     V_clip = V_old + clip(V - V_old, ±value_clip); value_clip null = 0.5 * (V - R)². Times
-    algo.value_loss_coef. value_clipfrac: share of tokens where the clipped term is the larger."""
+    algo.value_loss_coef. value_clipfrac: share of tokens the clip moves (|V - V_old| > value_clip)
+    and where the clipped term is the larger."""
     cfg, active = inputs.config, inputs.mask > 0
     v = torch.where(active, inputs.values, torch.zeros_like(inputs.values))  # sanitize first
     ret = fixed(inputs.batch.get("returns"))
@@ -100,7 +101,9 @@ def clipped_value_loss(inputs: ValueLossInputs) -> LossOutput:
         v_clip = old + (v - old).clamp(-float(clip), float(clip))
         clipped = (v_clip - ret).square()
         per_token = 0.5 * torch.maximum(unclipped, clipped)
-        clipfrac = (clipped > unclipped).to(v.dtype)
+        # Inside the clip V_clip = V_old + (V - V_old) is V only up to rounding, so the clipped
+        # term may exceed the unclipped one by an ulp: only a token the clamp moves counts.
+        clipfrac = ((clipped > unclipped) & ((v - old).abs() > float(clip))).to(v.dtype)
     value_loss = inputs.reduce(per_token)
     loss = float(opt(cfg, "value_loss_coef")) * value_loss + 0.0 * v.sum()  # empty microbatch: stay in the graph
     metrics = {"value_loss": value_loss.detach(), "value_clipfrac": inputs.reduce(clipfrac.detach()),

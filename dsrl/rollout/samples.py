@@ -47,6 +47,15 @@ def pack_microbatches(samples: Sequence[Sample], micro_batch_size: int, pad_id: 
     token_fields: name -> list aligned with `samples` of per-response-token tensors."""
     plan = plan_microbatches(samples, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
                              shared_prompt=shared_prompt)
+    return collate_plan(samples, plan, pad_id, token_fields, shared_prompt=shared_prompt)
+
+
+def collate_plan(samples: Sequence[Sample], plan: Sequence[Sequence[int]], pad_id: int,
+                 token_fields: dict | None = None, *, shared_prompt: bool = False) -> List[dict]:
+    """One microbatch per entry of `plan` (indices into `samples`, as plan_microbatches gives
+    them), in the layout `shared_prompt` names. A token-budget plan reorders the samples: a
+    caller that reads per-sample outputs back maps microbatch row j of plan entry k to sample
+    plan[k][j] (dsrl.stages.critic.CriticUpdate.values)."""
     build = collate_shared_prompt if shared_prompt else collate
     out = []
     for idx in plan:

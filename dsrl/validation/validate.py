@@ -27,6 +27,7 @@ _CHOICES = {
     "trainer.checkpoint_storage": ("shared", "node_local"),
     "data.on_bad_row": ("error", "skip"),
     "actor.shared_prompt": ("auto", "on", "off"),
+    "critic.shared_prompt": (None, "auto", "on", "off"),  # null: actor.shared_prompt
 }
 # Numeric ranges: key -> (test, what the value must be). Every float must also be finite.
 _SEED_RANGE = (lambda v: 0 <= v < 2**31, ">= 0 and < 2**31")
@@ -62,6 +63,8 @@ _RANGES = {
     "critic.weight_decay": (lambda v: v >= 0, ">= 0"),
     "critic.grad_clip": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     "critic.micro_batch_size": (lambda v: v is None or v >= 1, ">= 1 or null (actor.micro_batch_size)"),
+    "critic.max_tokens_per_microbatch": (
+        lambda v: v is None or v >= 0, ">= 0 (0 = count-based microbatches) or null (actor.max_tokens_per_microbatch)"),
     "algo.max_sampling_rounds": (lambda v: v >= 1, ">= 1"),
     "algo.off_policy_steps": (lambda v: v in (0, 1), "0 (synchronous) or 1 (one-step-off-policy overlap)"),
     "logger.plot_every": (lambda v: v >= 1, ">= 1"),

@@ -115,6 +115,10 @@ def test_ppo_with_critic_in_the_real_loop(tiny_model_path, tmp_path, monkeypatch
     trainer.fit()
 
     assert order == ["critic", "actor"] * 2 and len(steps) == 2
+    # The critic packed like the actor: shared-prompt rows (critic.shared_prompt=null follows
+    # actor.shared_prompt=auto, on for the tiny Llama), so the values checked below came through them.
+    decided = critic._shared_prompt_decision
+    assert decided.on and "critic.shared_prompt=null, so actor.shared_prompt=auto" in decided.reason
     for rec, logged in zip(steps, trainer.logger.history):
         d, samples = rec["data"], rec["samples"]
         # The values GAE read are the critic's, before it trained on this rollout.

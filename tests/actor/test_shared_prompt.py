@@ -143,6 +143,37 @@ def test_engine_decision_is_made_once_and_engines_without_a_model_config_stay_de
     assert not engine_uses_shared_prompt(cfg, types.SimpleNamespace())
 
 
+def test_the_critic_engine_reads_critic_shared_prompt_and_follows_the_actor_when_null():
+    """role "critic": critic.shared_prompt decides, null = actor.shared_prompt; the train-step
+    hooks (which never see the critic's microbatches) do not turn it off; an inexact `on`
+    names critic.shared_prompt, and says it came from actor.shared_prompt when null."""
+    import dataclasses
+
+    def critic(hf=None):
+        return types.SimpleNamespace(hf_config=hf or _hf(), trainable=True, role="critic")
+
+    cfg = Config()
+    cfg.trainer = dataclasses.replace(cfg.trainer, before_train_step_hooks=["my.hook"])
+    assert cfg.critic.shared_prompt is None and cfg.actor.shared_prompt == "auto"
+    assert engine_uses_shared_prompt(cfg, critic())  # auto, hooks set: on for the critic
+    assert not engine_uses_shared_prompt(cfg, types.SimpleNamespace(hf_config=_hf(), trainable=True, role="actor"))
+    cfg.actor = dataclasses.replace(cfg.actor, shared_prompt="off")
+    eng = critic()
+    assert not engine_uses_shared_prompt(cfg, eng)  # null follows the actor's off
+    assert "critic.shared_prompt=null, so actor.shared_prompt=off" in eng._shared_prompt_decision.reason
+    cfg.critic = dataclasses.replace(cfg.critic, shared_prompt="on")
+    assert engine_uses_shared_prompt(cfg, critic())  # its own key wins over the actor's
+    cfg.critic = dataclasses.replace(cfg.critic, shared_prompt="off")
+    cfg.actor = dataclasses.replace(cfg.actor, shared_prompt="on")
+    assert not engine_uses_shared_prompt(cfg, critic())
+    with pytest.raises(ConfigError, match=r"^critic\.shared_prompt=on is not exact.*set critic\.shared_prompt=auto"):
+        cfg.critic = dataclasses.replace(cfg.critic, shared_prompt="on")
+        engine_uses_shared_prompt(cfg, critic(_hf(model_type="gpt2")))
+    cfg.critic = dataclasses.replace(cfg.critic, shared_prompt=None)
+    with pytest.raises(ConfigError, match=r"^critic\.shared_prompt=null, so actor\.shared_prompt=on is not exact"):
+        engine_uses_shared_prompt(cfg, critic(_hf(model_type="gpt2")))
+
+
 def test_validate_rejects_an_unknown_mode():
     import dataclasses
 
@@ -154,4 +185,15 @@ def test_validate_rejects_an_unknown_mode():
         validate(cfg)
     cfg.actor = dataclasses.replace(cfg.actor, shared_prompt="auto", max_tokens_per_microbatch=-1)
     with pytest.raises(ConfigError, match=r"actor\.max_tokens_per_microbatch"):
+        validate(cfg)
+    cfg.actor = dataclasses.replace(cfg.actor, max_tokens_per_microbatch=0)
+    cfg.algo = dataclasses.replace(cfg.algo, advantage_estimator="gae", policy_loss="ppo")
+    validate(cfg)  # the critic's keys default to null (the actor's)
+    cfg.critic = dataclasses.replace(cfg.critic, shared_prompt="off", max_tokens_per_microbatch=512)
+    validate(cfg)
+    cfg.critic = dataclasses.replace(cfg.critic, shared_prompt="yes")
+    with pytest.raises(ConfigError, match=r"critic\.shared_prompt='yes' is not one of"):
+        validate(cfg)
+    cfg.critic = dataclasses.replace(cfg.critic, shared_prompt=None, max_tokens_per_microbatch=-1)
+    with pytest.raises(ConfigError, match=r"critic\.max_tokens_per_microbatch=-1 must be >= 0"):
         validate(cfg)

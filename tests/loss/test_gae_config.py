@@ -31,6 +31,9 @@ def test_critic_group_composes_with_schema_defaults():
     assert (cfg.algo.gae_lambda, cfg.algo.value_clip, cfg.algo.value_loss_coef) == (1.0, 0.2, 1.0)
     cfg = _cfg("algo.advantage_estimator=gae", "critic.lr=5e-6", "critic.zero_stage=3", "algo.value_clip=null")
     assert cfg.critic.lr == 5e-6 and cfg.critic.zero_stage == 3 and cfg.algo.value_clip is None
+    cfg = _cfg("algo.advantage_estimator=gae", "critic.shared_prompt=off", "critic.max_tokens_per_microbatch=512")
+    assert cfg.critic.shared_prompt == "off" and cfg.critic.max_tokens_per_microbatch == 512
+    validate(cfg)
 
 
 def test_gae_validates_now_that_the_loop_runs_the_critic():
@@ -45,6 +48,8 @@ def test_gae_validates_now_that_the_loop_runs_the_critic():
     ("critic.lr=0", "critic.lr=0.0 must be > 0"),
     ("critic.zero_stage=4", "critic.zero_stage=4 must be 0, 1, 2, 3 or null"),
     ("critic.micro_batch_size=0", "critic.micro_batch_size=0 must be >= 1 or null"),
+    ("critic.shared_prompt=yes", "critic.shared_prompt='yes' is not one of [None, 'auto', 'on', 'off']"),
+    ("critic.max_tokens_per_microbatch=-1", "critic.max_tokens_per_microbatch=-1 must be >= 0"),
     ("critic.loss=nope", "critic.loss='nope': unknown value loss"),
     ("algo.policy_loss=sft", "algo.policy_loss=sft reads no advantages"),
 ])

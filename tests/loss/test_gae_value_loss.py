@@ -55,6 +55,32 @@ def test_clipped_value_loss_hand_computed():
     assert done["critic/returns"] == pytest.approx(3.3 / 5, abs=1e-12)
 
 
+def test_clipfrac_ignores_tokens_inside_the_clip_that_round_differently():
+    """Inside the clip, V_clip = V_old + (V - V_old) equals V only up to float32 rounding, so the
+    clipped term can exceed the unclipped one by an ulp: such a token is not clipped (the same
+    token could otherwise count in one microbatch layout and not in another)."""
+    g = torch.Generator().manual_seed(0)
+    n = 4096
+    v = (torch.rand(1, n, generator=g) * 2 - 1) * 0.1  # small V against larger V_old: inexact sums
+    old = v + (torch.rand(1, n, generator=g) * 2 - 1) * 0.19  # every token inside value_clip = 0.2
+    ret = torch.rand(1, n, generator=g) * 2 - 1
+    v_clip = old + (v - old).clamp(-0.2, 0.2)
+    assert int(((v_clip - ret).square() > (v - ret).square()).sum()) > 0  # rounding does bite here
+    mask = torch.ones(1, n)
+    inp = ValueLossInputs(values=v, mask=mask, batch={"returns": ret, "old_values": old},
+                          config={"value_clip": 0.2, "value_loss_coef": 1.0},
+                          reduce=Aggregator(mask=mask, seq_weight=torch.full((1,), 1.0 / n)))
+    out = get_value_loss("clipped")(inp)
+    assert out.metrics["value_clipfrac"].item() == 0.0
+    # Half of them pushed outside the clip: those whose clipped term is larger count, exactly.
+    old[:, ::2] = v[:, ::2] + 0.3
+    v_clip = old + (v - old).clamp(-0.2, 0.2)
+    wins = ((v_clip - ret).square() > (v - ret).square())[:, ::2]
+    assert 0 < int(wins.sum()) < n // 2
+    out = get_value_loss("clipped")(inp)
+    assert out.metrics["value_clipfrac"].item() == pytest.approx(float(wins.sum()) / n, abs=1e-6)
+
+
 def test_unclipped_value_loss_and_coefficient():
     # value_clip null: 0.5*(V-R)² = .5*[.04, .25, .49, .25, .25] -> 0.64 / 5 = .128; times coef 0.5 in the loss.
     v, inp = _inputs(config={"value_clip": None, "value_loss_coef": 0.5}, global_tokens=5.0)
