@@ -25,18 +25,24 @@ import tempfile
 DEFAULTS = ["+exp=grpo_reuse", "algo.skip_zero_variance_groups=false", "trainer.eval_before=false",
             "trainer.eval_after=false", "trainer.save_final=false", "logger.progress=false", "logger.plot=false",
             "logger.tensorboard=false"]
-# (name, shared prompt, token budget or 0 for micro_batch_size samples)
-MODES_OF = lambda budget: [("dense/count", False, 0), ("shared/count", True, 0),  # noqa: E731
-                           ("dense/budget", False, budget), ("shared/budget", True, budget)]
+
+
+def modes_of(budgets):
+    """(name, shared prompt, token budget or 0 for micro_batch_size samples): both layouts with
+    fixed-count microbatches and with the first budget, the shared layout with each further one."""
+    first = budgets[0]
+    out = [("dense/count", False, 0), ("shared/count", True, 0), ("dense/budget", False, first),
+           ("shared/budget", True, first)]
+    return out + [(f"shared/budget{b}", True, b) for b in budgets[1:]]
 
 
 def _parse(argv):
-    opts = {"rounds": 2, "max_tokens": 1024}
+    opts = {"rounds": 2, "max_tokens": [1024]}
     overrides = []
     for a in argv:
         if a.startswith("bench."):
             k, v = a[len("bench."):].split("=", 1)
-            opts[k] = v if k == "samples" else int(v)
+            opts[k] = v if k == "samples" else [int(b) for b in v.split(",")] if k == "max_tokens" else int(v)
         else:
             overrides.append(a)
     return opts, overrides
@@ -86,7 +92,7 @@ def main(argv) -> int:
           f"budget {opts['max_tokens']} tokens", flush=True)
     print(f"log-prob agreement, shared vs dense scoring pass ({cfg0.model.dtype}): max |dlogp| = "
           f"{_agreement(trainer, samples):.2e}", flush=True)
-    modes = MODES_OF(opts["max_tokens"])
+    modes = modes_of(opts["max_tokens"])
 
     def run(name, shared, budget, step):
         # The policy update packs by its own config; the layout decision is cached on the engine.
@@ -119,6 +125,9 @@ def main(argv) -> int:
     print(f"token-budget / fixed-count (dense):                {med['dense/budget'] / med['dense/count']:.3f}")
     print(f"token-budget / fixed-count (shared-prompt):        {med['shared/budget'] / med['shared/count']:.3f}")
     print(f"shared+budget / dense+count:                       {med['shared/budget'] / med['dense/count']:.3f}")
+    for b in opts["max_tokens"][1:]:
+        print(f"shared+budget {b} / shared+budget {opts['max_tokens'][0]}:{' ' * 18}"
+              f"{med[f'shared/budget{b}'] / med['shared/budget']:.3f}")
     print(f"actor.shared_prompt={cfg0.actor.shared_prompt} decided: {auto.reason}")
     return 0
 
