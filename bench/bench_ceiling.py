@@ -17,8 +17,9 @@
   plain `LLM.generate` on the same requests (same prompts, n, seeds, max_tokens), rounds
   interleaved A B B A, generated tokens/s of each; the engine is closed before the trainer is
   measured so it does not compete for the cores.
-- bench.profile=1: one more policy update under torch.profiler (the top operators by self CPU
-  time) and one under cProfile (the dsrl functions by cumulative time).
+- bench.profile=1: one more policy update under torch.profiler: the top operators by self CPU
+  time, and the time of dsrl's functions and the DeepSpeed calls they make (record_function
+  ranges around them; inclusive).
 
     make bench-ceiling                                   # SmolLM2, default job, 3 rounds
     make bench-ceiling ARGS="bench.profile=1"            # and the profile of one train phase
@@ -232,40 +233,69 @@ def timed_score(trainer, samples) -> float:
     return time.perf_counter() - t0
 
 
-def profile_train(trainer, samples, step, top: int) -> None:
-    """One policy update under torch.profiler (operators, self CPU time; no Python stacks, whose
-    tracing would inflate every operator), then one more under cProfile for the dsrl functions
-    (cumulative time of each function defined in dsrl/: what its calls cost, callees included)."""
-    import cProfile
-    import pstats
+def _labelled(trainer):
+    """(owner, attribute, label) of the calls the profile names: dsrl's functions of the train
+    phase and the DeepSpeed calls they make, each wrapped in a torch.profiler record_function."""
+    import dsrl.actor.engine as engine_module
+    import dsrl.stages.policy as policy_module
 
+    actor, ds = trainer.actor, trainer.actor.engine
+    out = [(policy_module, "pack_microbatches", "dsrl.rollout.samples.pack_microbatches"),
+           (policy_module, "pad_to_largest_rank", "dsrl.actor.batch.pad_to_largest_rank"),
+           (actor, "forward_backward", "dsrl ActorEngine.forward_backward"),
+           (actor, "target_logprobs", "dsrl ActorEngine.target_logprobs (model forward + log-probs)"),
+           (engine_module, "token_logprobs", "dsrl.actor.logprobs.token_logprobs (log-softmax, forward)"),
+           (ds, "forward", "deepspeed engine forward (the HF model)"),
+           (ds, "backward", "deepspeed engine backward (autograd + grad hooks)"),
+           (actor, "optimizer_step", "dsrl ActorEngine.optimizer_step"),
+           (engine_module, "guarded_step", "dsrl.actor.nonfinite.guarded_step (finite check + step)")]
+    opt = getattr(ds, "optimizer", None)
+    for name in ("backward_prologue", "backward_epilogue", "step"):
+        if opt is not None and hasattr(opt, name):
+            out.append((opt, name, f"deepspeed {type(opt).__name__}.{name}"))
+    return out
+
+
+def profile_train(trainer, samples, step, top: int) -> None:
+    """One policy update under torch.profiler: the top operators by self CPU time, and the
+    labelled dsrl / DeepSpeed calls (record_function ranges; inclusive time, nested ranges overlap)."""
+    import functools
+
+    from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        train_once(trainer, samples, step)
-    wall = time.perf_counter() - t0
+    wrapped = []
+    for owner, attr, label in _labelled(trainer):
+        fn = getattr(owner, attr)
+
+        def labelled(*args, _fn=fn, _label=label, **kwargs):
+            with record_function(_label):
+                return _fn(*args, **kwargs)
+        setattr(owner, attr, functools.wraps(fn)(labelled))
+        wrapped.append((owner, attr, fn))
+    try:
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            train_once(trainer, samples, step)
+        wall = time.perf_counter() - t0
+    finally:
+        for owner, attr, fn in reversed(wrapped):
+            if isinstance(owner, type(os)):  # a module: put the function back
+                setattr(owner, attr, fn)
+            else:  # an instance: drop the instance attribute (the class's method shows through)
+                delattr(owner, attr)
     events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
+    labels = {label for _, _, label in _labelled(trainer)}
+    ops = [e for e in events if e.key not in labels]
+    total = sum(e.self_cpu_time_total for e in ops)
     print(f"\n== profile of one train phase ({wall:.2f} s under the profiler): top {top} operators by self "
           f"CPU time (all operators: {total / 1e6:.2f} s) ==")
-    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
+    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:top]:
         print(f"{e.self_cpu_time_total / 1e6:7.3f} s  {100 * e.self_cpu_time_total / total:5.1f}%  "
               f"calls {e.count:6d}  {e.key}")
-
-    pr = cProfile.Profile()
-    t0 = time.perf_counter()
-    pr.enable()
-    train_once(trainer, samples, step + 1)
-    pr.disable()
-    wall = time.perf_counter() - t0
-    root = os.path.dirname(HERE) + os.sep
-    rows = [(ct, nc, f"{fn.replace(root, '')}:{line}({name})")
-            for (fn, line, name), (_, nc, _, ct, _) in pstats.Stats(pr).stats.items()
-            if f"{os.sep}dsrl{os.sep}" in fn]
-    print(f"\n== the next train phase under cProfile ({wall:.2f} s): top {top} dsrl functions by cumulative time ==")
-    for ct, nc, where in sorted(rows, reverse=True)[:top]:
-        print(f"{ct:7.3f} s  {100 * ct / wall:5.1f}%  calls {nc:5d}  {where}")
+    print(f"\n== the same train phase by dsrl function and the DeepSpeed calls it makes (inclusive CPU time) ==")
+    for e in sorted((e for e in events if e.key in labels), key=lambda e: -e.cpu_time_total):
+        print(f"{e.cpu_time_total / 1e6:7.3f} s  {100 * e.cpu_time_total / total:5.1f}%  calls {e.count:4d}  {e.key}")
 
 
 def _tf(flops, seconds) -> str:
@@ -310,8 +340,10 @@ def main(argv) -> int:
         print(f"round {r + 1}: train phase {train_t[-1]:.2f} s, scoring forward {score_t[-1]:.2f} s", flush=True)
     train_s, score_s = statistics.median(train_t), statistics.median(score_t)
 
-    tokens = max((k[2] for k in train_counts if k[0] in ("mm", "addmm") and k[4] == trainer.actor.hf_config.intermediate_size),
-                 default=1024)
+    hf = trainer.actor.hf_config  # the tokens of a training microbatch: M of the forward's MLP up-projection
+    ups = collections.Counter({k[2]: c for k, c in train_counts.items()
+                               if k[3] == hf.hidden_size and k[4] == hf.intermediate_size and k[5] == "N"})
+    tokens = ups.most_common(1)[0][0] if ups else 1024
     resp_tokens = sum(resp)
     print(f"\n== matrix-multiply ceiling on {torch.get_num_threads()} threads (TFLOP/s at the model's shapes, "
           f"{tokens} tokens per microbatch, LM head on {resp_tokens} response positions) ==")

@@ -20,6 +20,7 @@ from typing import Callable, Iterable, List, Mapping, Optional
 
 import torch
 
+from dsrl.actor.block_attention import BLOCKS_KEY, attention_by_blocks, blocks_pay_off
 from dsrl.actor.device import to_device
 from dsrl.actor.engine import _DTYPES, DeepSpeedModel, build_ds_config, init_distributed, load_pretrained
 from dsrl.actor.optim import adamw, skip_single_rank_allreduce
@@ -39,10 +40,11 @@ class ValueModel(torch.nn.Module):
         self.backbone = backbone
         self.value_head = torch.nn.Linear(hidden_size, 1)
 
-    def forward(self, input_ids, attention_mask, position_ids=None, keep: int = 0) -> torch.Tensor:
-        """[B, T] float32 values (the last `keep` positions when keep > 0)."""
+    def forward(self, input_ids, attention_mask, position_ids=None, keep: int = 0, **attention_kwargs) -> torch.Tensor:
+        """[B, T] float32 values (the last `keep` positions when keep > 0); `attention_kwargs` reach
+        the attention layers (a shared-prompt batch's blocks, dsrl.actor.block_attention)."""
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False)
+                            use_cache=False, **attention_kwargs)
         hidden = out.last_hidden_state
         if keep:
             hidden = hidden[:, -keep:]
@@ -104,8 +106,10 @@ class CriticEngine(DeepSpeedModel):
         if not is_shared_prompt_batch(mb):
             return self.engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"])[:, :-1]
         dtype = self.module.backbone.get_input_embeddings().weight.dtype
-        v = self.engine(input_ids=mb["input_ids"], attention_mask=additive_mask(mb["attention_mask"], dtype),
-                        position_ids=mb["position_ids"], keep=int(mb["logits_to_keep"]))
+        with attention_by_blocks(self.module.backbone, blocks_pay_off(mb)) as by_blocks:
+            blocks = {"dsrl_blocks": mb[BLOCKS_KEY]} if by_blocks else {}
+            v = self.engine(input_ids=mb["input_ids"], attention_mask=additive_mask(mb["attention_mask"], dtype),
+                            position_ids=mb["position_ids"], keep=int(mb["logits_to_keep"]), **blocks)
         index = mb["logit_index"].to(v.device)
         return v.reshape(-1).index_select(0, index.reshape(-1)).view(index.shape)
 

@@ -20,6 +20,7 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
+from dsrl.actor.block_attention import BLOCKS_KEY, attention_by_blocks, blocks_pay_off
 from dsrl.actor.device import to_device, to_host
 from dsrl.actor.logprobs import token_logprobs
 from dsrl.actor.nonfinite import guarded_step
@@ -277,9 +278,10 @@ class ActorEngine(DeepSpeedModel):
         valid = batch["response_mask"].to(self.engine.device) > 0
         rows = batch["logit_index"].to(valid.device)[valid]
         mask = additive_mask(batch["attention_mask"], self.module.get_input_embeddings().weight.dtype)
-        with head_rows(self.module, rows):
+        with head_rows(self.module, rows), attention_by_blocks(self.module, blocks_pay_off(batch)) as by_blocks:
+            blocks = {"dsrl_blocks": batch[BLOCKS_KEY]} if by_blocks else {}
             out = self.engine(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"],
-                              logits_to_keep=int(batch["logits_to_keep"]), use_cache=False)
+                              logits_to_keep=int(batch["logits_to_keep"]), use_cache=False, **blocks)
         targets = batch["targets"].to(valid.device)[valid]
         lp, ent = token_logprobs(out.logits, targets[None], temperature=self.temperature, with_entropy=with_entropy)
         lp = lp.new_zeros(valid.shape).masked_scatter(valid, lp[0])

@@ -28,6 +28,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import torch
 
 from dsrl.actor.batch import Sample
+from dsrl.actor.block_attention import BLOCKS_KEY, build_blocks
 from dsrl.actor.masks import response_loss_mask
 
 log = logging.getLogger("dsrl")
@@ -38,7 +39,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 # Keys a shared-prompt microbatch carries for the forward only (not objective inputs).
 FORWARD_KEYS = ("input_ids", "attention_mask", "targets", "position_ids", "logit_index", "logits_to_keep",
-                "token_count")
+                "token_count", BLOCKS_KEY)
 
 
 class SharedPromptDecision(NamedTuple):
@@ -195,6 +196,7 @@ def collate_shared_prompt(samples: Sequence[Sample], pad_id: int, token_fields: 
     response_mask = torch.zeros((B, R), dtype=torch.float32)
     rollout_lp = torch.zeros((B, R), dtype=torch.float32)
     fields = {name: torch.zeros((B, R), dtype=torch.float32) for name in (token_fields or {})}
+    spans = []  # (row, context start, context length, own start, own length): the attention blocks
     for g, row in enumerate(rows):
         offset = 0  # where the run starts in the row
         for run in row:
@@ -204,6 +206,7 @@ def collate_shared_prompt(samples: Sequence[Sample], pad_id: int, token_fields: 
             input_ids[g, offset:offset + P] = torch.tensor(prompt, dtype=torch.long)
             position_ids[g, offset:offset + P] = torch.arange(P)
             allowed[g, 0, offset:offset + P, offset:offset + P] = torch.ones((P, P), dtype=torch.bool).tril_()
+            spans.append((g, offset, 0, offset, P))
             start = offset + P
             for b in run:
                 s = samples[b]
@@ -218,6 +221,7 @@ def collate_shared_prompt(samples: Sequence[Sample], pad_id: int, token_fields: 
                     position_ids[g, start:end] = torch.arange(P, P + n)
                     allowed[g, 0, start:end, offset:offset + P] = True
                     allowed[g, 0, start:end, start:end] = torch.ones((n, n), dtype=torch.bool).tril_()
+                    spans.append((g, offset, P, start, n))
                     pos[1:n] = torch.arange(start, end - 1)
                     targets[b, :n] = torch.tensor(resp, dtype=torch.long)
                     loss_mask[b, :n] = response_loss_mask(s)
@@ -239,6 +243,7 @@ def collate_shared_prompt(samples: Sequence[Sample], pad_id: int, token_fields: 
         "logit_index": logit_index,
         "logits_to_keep": K,
         "token_count": sum(row_length(samples, r) for r in runs),
+        BLOCKS_KEY: build_blocks(spans, L),  # the mask as blocks (dsrl.actor.block_attention)
         "targets": targets,
         "loss_mask": loss_mask,
         "response_mask": response_mask,

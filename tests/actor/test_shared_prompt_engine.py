@@ -182,3 +182,43 @@ def test_sdpa_attention_takes_the_shared_prompt_mask(tiny_model_path, tiny_token
         out[shared] = [row.cpu() for mb, lp in zip(mbs, eng.score(mbs)) for row in masked_rows(lp, mb["loss_mask"])]
     for a, b in zip(out[True], out[False], strict=True):
         assert float((a - b).abs().max()) <= LP_TOL
+
+
+def test_long_responses_attend_by_blocks_and_equal_dense(tiny_model_path, tiny_tokenizer, monkeypatch):
+    """Two groups of 8 responses of 24-30 tokens after 4- and 6-token prompts: the masked rows
+    would compute >= 4x the score entries the blocks need, so the attention runs by blocks
+    (dsrl.actor.block_attention, counted); loss, log-probs, gradient and update equal dense (ZeRO-0)."""
+    import dsrl.actor.block_attention as block_attention
+    from dsrl.actor.batch import Sample
+
+    g = torch.Generator().manual_seed(5)
+    samples = []
+    for group, plen in enumerate((4, 6)):
+        prompt = torch.randint(5, 400, (plen,), generator=g).tolist()
+        for k in range(8):
+            n = int(torch.randint(24, 31, (1,), generator=g))
+            samples.append(Sample(prompt_ids=prompt, response_ids=torch.randint(5, 400, (n,), generator=g).tolist(),
+                                  rollout_log_probs=[0.0] * n, group=group, index=len(samples)))
+    calls = []
+    real = block_attention._blocks_attention
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(block_attention, "_blocks_attention", spy)
+    pad = tiny_tokenizer.pad_token_id
+    dense = _run(tiny_model_path, samples, pad, zero_stage=0, shared=False, micro_batch_size=8)
+    assert not calls
+    shared = _run(tiny_model_path, samples, pad, zero_stage=0, shared=True, micro_batch_size=8)
+    layers = 2  # the tiny Llama's decoder layers: 2 microbatches x (training forward + scoring pass)
+    assert len(calls) == 2 * 2 * layers
+    assert shared["loss"] == pytest.approx(dense["loss"], rel=1e-5, abs=1e-7)
+    assert shared["entropy"] == pytest.approx(dense["entropy"], rel=1e-5)
+    for a, b in zip(shared["lps"], dense["lps"], strict=True):
+        assert float((a - b).abs().max()) <= LP_TOL
+    gscale = max(float(g.abs().max()) for g in dense["grads"].values())
+    for n, grad in dense["grads"].items():
+        assert float((shared["grads"][n] - grad).abs().max()) <= GRAD_REL_TOL * gscale, n
+    uscale = max(float(u.abs().max()) for u in dense["update"].values())
+    for n, u in dense["update"].items():
+        assert float((shared["update"][n] - u).abs().max()) <= GRAD_REL_TOL * uscale, n
