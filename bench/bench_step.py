@@ -19,6 +19,7 @@ transformers==5.19.0 datasets`); absent: "TRL not installed: skipped"; bench.trl
 
     make bench-step [ARGS="bench.steps=6 bench.budget=2048 model.dtype=float32 rollout.dtype=float32"]
     make bench-step ARGS="bench.adaptive=4"   # 4 optimizer steps per rollout: reuse_logprobs=adaptive vs off
+    make bench-step ARGS="bench.exp=gsm8k_reasoning bench.modes=every,on bench.steps=2"   # 256 tokens
 """
 from __future__ import annotations
 
@@ -73,13 +74,17 @@ class Mode:
     step: int = 0
 
 
+EXP = ["grpo_reuse"]  # the preset every mode is built from (bench.exp=gsm8k_reasoning: 256 tokens)
+
+
 def build_trainer(overrides, *, old_engine=False):
     from hydra import compose, initialize_config_dir
 
     from dsrl.main import build
 
+    job = [f"+exp={EXP[0]}" if d == "+exp=grpo_reuse" else d for d in DEFAULTS]
     with initialize_config_dir(config_dir=os.path.abspath(os.path.join(ROOT, "conf")), version_base=None):
-        node = compose(config_name="config", overrides=DEFAULTS + list(overrides))
+        node = compose(config_name="config", overrides=job + list(overrides))
     with old_rollout_settings() if old_engine else contextlib.nullcontext():
         return build(node, tempfile.mkdtemp(prefix="bench_step_"))
 
@@ -251,13 +256,15 @@ def main(argv) -> int:
         key, _, value = a.partition("=")
         if key == "bench.trl_python":
             trl_python = value
+        elif key == "bench.exp":
+            EXP[0] = value
         elif key == "bench.modes":
             keys = tuple(value.split(","))
             if not keys or any(k not in MODES for k in keys):
                 raise SystemExit(f"bench.modes={value}: a comma-separated subset of {', '.join(MODES)}")
         elif key.startswith("bench."):
             if key[6:] not in opts:
-                raise SystemExit(f"unknown option {key} (known: bench.trl_python, bench.modes, "
+                raise SystemExit(f"unknown option {key} (known: bench.trl_python, bench.modes, bench.exp, "
                                  f"{', '.join('bench.' + k for k in opts)})")
             opts[key[6:]] = int(value)
         else:
