@@ -10,7 +10,10 @@ time depend on the shape, not the text. Not counted: the vLLM engine processes (
 fixed at start-up by rollout.kv_cache_gib and the weights, whatever the length; measure them
 with bench/peak_rss.py around a real run).
 
-    python bench/bench_length_memory.py --lengths 256,512,1024,2048 [--prompt 200] [-- +exp=gsm8k_reasoning ...]
+    python bench/bench_length_memory.py --lengths 256,512,1024,2048 [--prompt 200] [--cap-gib 16] [-- +exp=gsm8k_reasoning ...]
+
+--cap-gib: a length whose process passes this RSS is stopped there and reported as over the cap (on a
+shared machine, so the measurement cannot push other people's processes out of memory).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -84,6 +88,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="256,512,1024,2048")
     ap.add_argument("--prompt", type=int, default=200, help="prompt tokens per sample (GSM8K + system prompt: ~150-250)")
+    ap.add_argument("--cap-gib", type=float, default=0.0, help="stop a length's process past this RSS (0: no cap)")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", default=[])
     args = ap.parse_args()
@@ -91,15 +96,36 @@ def main() -> int:
     if args.one is not None:
         print("RESULT " + json.dumps(measure(args.one, args.prompt, overrides)), flush=True)
         return 0
+    import psutil
+
     for length in (int(x) for x in args.lengths.split(",")):
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", str(length), "--prompt", str(args.prompt),
-                            *overrides], capture_output=True, text=True)
-        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-        if r.returncode != 0 or not lines:
-            tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
-            print(json.dumps({"max_new_tokens": length, "rc": r.returncode, "error": " | ".join(tail)[-400:]}), flush=True)
-            continue
-        print(lines[-1][len("RESULT "):], flush=True)
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--one", str(length), "--prompt",
+                                     str(args.prompt), *overrides], stdout=out, stderr=err, text=True)
+            watched, peak = psutil.Process(proc.pid), 0
+            while proc.poll() is None:
+                try:
+                    peak = max(peak, watched.memory_info().rss)
+                except psutil.Error:
+                    pass
+                if args.cap_gib and peak > args.cap_gib * 2**30:
+                    proc.kill()
+                    proc.wait()
+                    break
+                time.sleep(0.1)
+            if args.cap_gib and peak > args.cap_gib * 2**30:
+                print(json.dumps({"max_new_tokens": length, "over_cap_gib": args.cap_gib,
+                                  "stopped_at_rss_mib": round(peak / 2**20)}), flush=True)
+                continue
+            out.seek(0)
+            err.seek(0)
+            lines = [ln for ln in out.read().splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                tail = err.read().strip().splitlines()[-3:]
+                print(json.dumps({"max_new_tokens": length, "rc": proc.returncode, "error": " | ".join(tail)[-400:]}),
+                      flush=True)
+                continue
+            print(lines[-1][len("RESULT "):], flush=True)
     return 0
 
 
