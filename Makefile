@@ -11,7 +11,7 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --n
 export RAY_AUTH_MODE ?= disabled
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup train train-2rank test test-fast bench-reuse bench-train bench-critic bench-dtype bench-seeds bench-logprobs bench-overlap bench-overlap-learn bench-rollout bench-step bench-sync bench-lora bench-ceiling clean-outputs
+.PHONY: setup train train-reasoning train-2rank test test-fast bench-reuse bench-train bench-critic bench-dtype bench-seeds bench-logprobs bench-overlap bench-overlap-learn bench-rollout bench-step bench-sync bench-lora bench-ceiling clean-outputs
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ $(STAMP): launch/setup.sh launch/requirements.txt pyproject.toml
 
 train: setup
 	$(PY) -m dsrl.main +exp=grpo_reuse $(ARGS)
+
+# GSM8K word problems, 256 new tokens (conf/exp/gsm8k_reasoning.yaml; README "GSM8K reasoning preset").
+train-reasoning: setup
+	$(PY) -m dsrl.main +exp=gsm8k_reasoning $(ARGS)
 
 # Two ranks on one machine (gloo on CPU); DeepSpeed's launcher takes --module, not -m.
 train-2rank: setup

@@ -147,7 +147,7 @@ def build(cfg_node: DictConfig, run_dir: str):
     from dsrl.data.lengths import check_prompt_lengths
     from dsrl.data.registry import build_source
     from dsrl.distributed.ranks import is_main_rank, world_size
-    from dsrl.reward.registry import build_verifier
+    from dsrl.reward.registry import build_verifier, verifier_for_source
     from dsrl.rollout.factory import build_rollout
     from dsrl.setup_assets import default_cache_dir, resolve_model_path
     from dsrl.tracking.console import prints_to_log
@@ -167,6 +167,8 @@ def build(cfg_node: DictConfig, run_dir: str):
     check_targets(cfg.actor.lora, model_path)  # actor.lora.target_modules matching no layer: ConfigError here
     source = build_source(cfg.data)
     verifier = build_verifier(cfg.reward, source)  # reward.url (a server), reward.fn, or the source's default
+    # The greedy eval's verifier: reward.eval_fn, else the training reward.
+    eval_verifier = verifier_for_source(source, cfg.reward.eval_fn) if cfg.reward.eval_fn else None
 
     with prints_to_log("DeepSpeed", verbose=cfg.logger.verbose):  # its op-loading notices go to run.log
         init_distributed(cfg.trainer.dist_timeout_s)
@@ -202,7 +204,7 @@ def build(cfg_node: DictConfig, run_dir: str):
         with _starting("the DeepSpeed engines (actor, reference, teacher, critic)",
                        "actor.zero_stage, actor.micro_batch_size, model.dtype, model.path"):
             trainer = _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir,
-                                     auto_keys)
+                                     auto_keys, eval_verifier=eval_verifier)
         if resume_point is not None:
             trainer.restore(resume_point)
         return trainer
@@ -212,7 +214,8 @@ def build(cfg_node: DictConfig, run_dir: str):
         raise
 
 
-def _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir, auto_keys=()):
+def _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir, auto_keys=(),
+                   eval_verifier=None):
     """The DeepSpeed engines (actor; reference, teacher and critic when needed) and the Trainer."""
     from dsrl.actor.critic import build_critic
     from dsrl.actor.engine import ActorEngine
@@ -252,7 +255,7 @@ def _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, 
 
     return Trainer(cfg, actor=actor, ref=ref, teacher=teacher, worker=worker, tokenizer=tokenizer, source=source,
                    verifier=verifier, prompt_ids_fn=prompt_ids, decision=decision, run_dir=run_dir, critic=critic,
-                   hardware_auto=auto_keys)
+                   hardware_auto=auto_keys, eval_verifier=eval_verifier)
 
 
 def _resume_point(cfg, run_dir: str, auto_keys=()):

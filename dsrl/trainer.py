@@ -45,12 +45,16 @@ class RunStopped(Exception):
 
 class Trainer:
     def __init__(self, cfg: Config, *, actor, ref, worker, tokenizer, source, verifier, prompt_ids_fn,
-                 decision: ReuseDecision, run_dir: str, teacher=None, critic=None, hardware_auto=()):
+                 decision: ReuseDecision, run_dir: str, teacher=None, critic=None, hardware_auto=(),
+                 eval_verifier=None):
         self.cfg, self.actor, self.worker, self.tokenizer, self.source = cfg, actor, worker, tokenizer, source
         self.critic, self.decision, self.run_dir, self.prompt_ids = critic, decision, run_dir, prompt_ids_fn
         self.hardware_auto = tuple(hardware_auto)  # keys dsrl.hardware resolved from `auto` (kept in checkpoints)
         # Raises/hangs: reward 0, counted; up to reward.concurrency calls in flight.
         self.verifier = RewardGuard.wrap(verifier, cfg.reward.timeout_s, cfg.reward.concurrency)
+        # The greedy eval's verifier (reward.eval_fn); None: the training reward's.
+        self.eval_verifier = (RewardGuard.wrap(eval_verifier, cfg.reward.timeout_s, cfg.reward.concurrency)
+                              if eval_verifier is not None else self.verifier)
         self.state = LoopState.fresh(seed=cfg.data.seed, rank=global_rank(), max_skipped_steps=cfg.trainer.max_skipped_steps)
         self.algo = dataclasses.asdict(cfg.algo)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -206,5 +210,5 @@ class Trainer:
         return metrics
 
     def evaluate(self) -> dict:
-        return evaluate(self.cfg, source=self.source, worker=self.worker, verifier=self.verifier,
+        return evaluate(self.cfg, source=self.source, worker=self.worker, verifier=self.eval_verifier,
                         prompt_ids_fn=self.prompt_ids, memory=self.memory)

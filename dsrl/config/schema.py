@@ -329,6 +329,10 @@ class RewardConfig:
     # Verifier: null = the prompt source's default_verifier; else a registered verifier name
     # (arith, gsm8k) or a dotted path to fn(completion_text, prompt) -> float.
     fn: Optional[str] = None
+    # Verifier of the greedy eval before/after training (eval/accuracy): a registered name or a
+    # dotted path; null = the training reward (reward.url, reward.fn or the source's default). E.g.
+    # train on a shaped reward (gsm8k_format) and measure correctness only (gsm8k).
+    eval_fn: Optional[str] = None
     # Seconds one sample's reward may take; a verifier that raises or takes longer gives that
     # sample reward 0, counted as reward/errors or reward/timeouts.
     timeout_s: float = 10.0

@@ -88,3 +88,30 @@ def gsm8k_last_number(completion_text: str, prompt: Any) -> float:
         return 0.0
     nums = find_numbers(completion_text)
     return 1.0 if nums and nums[-1] == ref else 0.0
+
+
+# A closing answer statement: "... answer is 18", "Answer: $1,080.", "the final answer is **-3**",
+# at the very end of the completion (trailing spaces, "*" and one "." allowed).
+_FINAL_STATEMENT = re.compile(
+    r"answer\s*(?:is|:|=)\s*[*_]*\s*[-\u2212]?\$?\s*\d[\d,]*(?:\.\d+)?\s*[*_]*\s*\.?[*_]*\s*$",
+    re.IGNORECASE)
+
+# Reward of a wrong answer stated in the asked-for form: small beside a correct one (1.0), so
+# correctness dominates whenever a group has one, and all-wrong groups still rank format.
+FORMAT_CREDIT = 0.1
+
+
+def states_final_answer(completion_text: str) -> bool:
+    """True when the completion ENDS with a final-answer statement ("The answer is 18.")."""
+    return bool(_FINAL_STATEMENT.search(completion_text or ""))
+
+
+@register_verifier("gsm8k_format")
+def gsm8k_format(completion_text: str, prompt: Any) -> float:
+    """Shaped GSM8K reward: 1.0 when correct (exactly the `gsm8k` verifier: the last number equals
+    the reference, however it is phrased); else FORMAT_CREDIT (0.1) when the completion ends with a
+    final-answer statement "... answer is N" (the form the gsm8k_reasoning preset's system prompt
+    asks for; a completion cut off mid-work has none); else 0.0. Reward 1.0 <=> correct."""
+    if gsm8k_last_number(completion_text, prompt) == 1.0:
+        return 1.0
+    return FORMAT_CREDIT if states_final_answer(completion_text) else 0.0

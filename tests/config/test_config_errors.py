@@ -278,3 +278,21 @@ def test_validate_imports_no_model_stack():
                        env=subprocess_env(PYTHONPATH=PLUGINS_DIR))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
+def test_gsm8k_reasoning_preset_composes_and_validates():
+    cfg = to_config(_compose("+exp=gsm8k_reasoning"))
+    validate(cfg)
+    assert (cfg.data.name, cfg.reward.fn, cfg.reward.eval_fn) == ("gsm8k", "gsm8k_format", "gsm8k")
+    assert cfg.rollout.max_new_tokens == 256 and cfg.model.path == "smollm2"
+    assert (cfg.algo.rollout_batch_size, cfg.algo.n_samples_per_prompt) == (8, 8)
+    assert cfg.algo.global_batch_size == cfg.algo.rollout_batch_size * cfg.algo.n_samples_per_prompt
+    # The prompt budget the preset leaves (max_model_len - max_new_tokens) holds every GSM8K prompt
+    # with its system prompt (checked again at start-up by dsrl.data.lengths).
+    assert cfg.rollout.max_model_len - cfg.rollout.max_new_tokens >= 400
+    assert "The answer is N." in cfg.data.system_prompt
+
+
+def test_reward_eval_fn_is_checked_by_name():
+    with pytest.raises(ConfigError, match=r"reward\.eval_fn"):
+        validate(to_config(_compose("+exp=gsm8k_reasoning", "reward.eval_fn=no_such_verifier")))

@@ -119,3 +119,31 @@ def test_reward_fn_names_the_key():
     with pytest.raises(PluginError, match=r"reward\.fn='nope'"):
         verifier_for_source(NoDefault(), "nope")
     assert verifier_for_source(NoDefault(), "gsm8k") is get_verifier("gsm8k")
+
+
+@pytest.mark.parametrize("completion,answer,expected", [
+    ("9 * 2 = 18. The answer is 18.", "18", 1.0),       # correct and stated: 1.0, no extra credit
+    ("So she makes 18 dollars", "18", 1.0),             # correct without the statement: still 1.0
+    ("9 * 2 = 18. The answer is 19.", "18", 0.1),       # wrong but stated: format credit
+    ("The answer is 19", "18", 0.1),                    # no final period
+    ("Answer: $1,080.", "1080", 1.0),
+    ("Answer: $1,070.", "1080", 0.1),                   # "Answer:" form, $ and commas
+    ("The final answer is **-3**.", "3", 0.1),          # markdown bold, negative
+    ("The answer is 19. Let me check: 9 * 2 = 18", "18", 1.0),  # last number is right: correct
+    ("The answer is 19. Let me check: 9 * 2 = 17", "18", 0.0),  # statement not at the end: nothing
+    ("9 * 2 = 17 and 17 + 2 =", "18", 0.0),             # cut off mid-work
+    ("The answer is eighteen.", "18", 0.0),             # words are not numbers
+    ("", "18", 0.0),
+    ("The answer is 7.5.", "#### 7", 0.1),              # decimal stated, reference after ####
+])
+def test_gsm8k_format_credit(completion, answer, expected):
+    assert get_verifier("gsm8k_format")(completion, P(answer)) == expected
+
+
+def test_gsm8k_format_is_one_exactly_when_gsm8k_is_correct():
+    # Reward 1.0 <=> the correctness-only verifier says correct, on every case above and more.
+    texts = ["The answer is 18.", "18", "The answer is 19.", "x 18 y", "Answer: 18.0", "the answer is -18"]
+    for t in texts:
+        for ans in ("18", "-18", "19"):
+            shaped, correct = get_verifier("gsm8k_format")(t, P(ans)), get_verifier("gsm8k")(t, P(ans))
+            assert (shaped == 1.0) == (correct == 1.0) and shaped in (0.0, 0.1, 1.0)

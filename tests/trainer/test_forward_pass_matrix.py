@@ -338,3 +338,31 @@ def test_zero_advantage_skip_is_declared_exact_only_where_it_is(algo, exact):
 
     skip, reason = zero_advantage_skip(_cfg(**algo))
     assert skip is exact and reason
+
+
+def test_greedy_eval_uses_reward_eval_fn(tmp_path):
+    """reward.eval_fn: the greedy eval scores with that verifier, the training reward otherwise.
+    Every eval answer is wrong but stated ("The answer is <reference + 1>."): gsm8k_format pays
+    0.1 for it, gsm8k (correctness only) 0."""
+    from dsrl.data.registry import build_source
+    from dsrl.reward.registry import get_verifier
+
+    cfg = _cfg(reuse_logprobs="on")
+    cfg.data = dataclasses.replace(cfg.data, name="gsm8k", num_eval=4)
+    validate(cfg)
+    source = build_source(cfg.data)
+    answers = [p.answer for p in source.eval_set(4)]
+
+    class StatedWrongAnswers(FakeWorker):
+        def generate(self, prompt_ids, *, n, **kw):
+            assert n == 1 and len(prompt_ids) == len(answers)
+            return [[Completion([5], [0.0], "stop", f"The answer is {int(a) + 1}.")] for a in answers]
+
+    def trainer(eval_verifier):
+        return Trainer(cfg, actor=FakeEngine(), ref=None, worker=StatedWrongAnswers(),
+                       tokenizer=types.SimpleNamespace(pad_token_id=0, eos_token_id=0), source=source,
+                       verifier=get_verifier("gsm8k_format"), prompt_ids_fn=lambda p: [1, 2, 3],
+                       decision=decide_reuse(cfg), run_dir=str(tmp_path), eval_verifier=eval_verifier)
+
+    assert trainer(None).evaluate()["eval/accuracy"] == pytest.approx(0.1)
+    assert trainer(get_verifier("gsm8k")).evaluate()["eval/accuracy"] == 0.0
