@@ -27,19 +27,23 @@ import torch
 NAMES = {"eager": "dsrl_blocks_eager", "sdpa": "dsrl_blocks_sdpa"}
 # The microbatch key holding the blocks (a list of dicts of tensors, one per kind of block).
 BLOCKS_KEY = "attention_blocks"
-# Blocks are used when the masked row would compute at least this many times the score entries
-# the blocks need. Measured (SmolLM2, bf16, one group's fwd+bwd, bench/bench_block_attention.py):
-# the default job's shape (P=43, 8 x 16 tokens: 3.1x the entries) ran 1.09x slower by blocks
-# (gathers and two small batches against one small row), P=150 with 8 x 256 tokens (5.7x) 3x faster.
-MIN_SAVING = 4.0
+# Blocks are used when the masked row computes at least MIN_RATIO times the score entries the blocks
+# need and at least MIN_SAVED more (per head and layer). Measured (SmolLM2, bf16, one group's
+# fwd+bwd, AMD EPYC 2 cores, bench/bench_block_attention.py, medians of 3-7): the default job's
+# shape (P=43, 8 x 16 tokens; 29k entries, 3.1x the blocks') ran 1.15x slower by blocks (the gathers
+# and two small batches cost more than the masked pairs); P=150 with 4 x 256 tokens (1.4M, 3.1x)
+# 0.62x and with 8 x 256 (4.8M, 5.7x) 0.30x of the masked row's time.
+MIN_RATIO = 2.0
+MIN_SAVED = 250_000
 _registered = False
 
 
 def blocks_pay_off(batch: dict) -> bool:
-    """Whether this shared-prompt microbatch's attention runs by blocks (see MIN_SAVING)."""
+    """Whether this shared-prompt microbatch's attention runs by blocks (MIN_RATIO, MIN_SAVED)."""
     G, L = batch["input_ids"].shape
     needed = sum(b["allowed"].shape[0] * b["allowed"].shape[2] * b["allowed"].shape[3] for b in batch[BLOCKS_KEY])
-    return G * L * L >= MIN_SAVING * needed
+    masked = G * L * L
+    return masked >= MIN_RATIO * needed and masked - needed >= MIN_SAVED
 
 
 def build_blocks(spans: Sequence[Tuple[int, int, int, int, int]], row_len: int) -> List[dict]:

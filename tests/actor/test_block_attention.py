@@ -118,7 +118,9 @@ def _group(plen, n, rlen):
 
 
 def test_blocks_pay_off_for_long_responses_only():
-    """The default job's shape (43-token prompt, 8 x 16 tokens: 3.1x the entries) keeps the masked
-    row; 8 x 256 tokens after 150 (5.7x) attends by blocks."""
+    """The default job's shape (43-token prompt, 8 x 16 tokens) keeps the masked row; 4 and 8
+    responses of 256 tokens after 150 attend by blocks (the measured points of MIN_RATIO/MIN_SAVED)."""
     assert not blocks_pay_off(collate_shared_prompt(_group(43, 8, 16), PAD))
+    assert blocks_pay_off(collate_shared_prompt(_group(150, 4, 256), PAD))
     assert blocks_pay_off(collate_shared_prompt(_group(150, 8, 256), PAD))
+    assert not blocks_pay_off(collate_shared_prompt(_group(150, 1, 256), PAD))  # one response: nothing masked
