@@ -5,7 +5,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import dsrl.actor.block_attention as block_attention
 from dsrl.actor.batch import Sample
 from dsrl.actor.block_attention import BLOCKS_KEY, attention_by_blocks, blocks_pay_off, build_blocks
 from dsrl.actor.shared_prompt import additive_mask, collate_shared_prompt
@@ -74,17 +73,11 @@ class _null:
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_block_attention_equals_the_masked_row_forward_and_gradients(tiny_model_path, attn, monkeypatch):
+def test_block_attention_equals_the_masked_row_forward_and_gradients(tiny_model_path, attn, block_attention_calls):
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32, attn_implementation=attn)
     model.train()
     mb = _batch()
-    calls = []
-    real = block_attention._blocks_attention
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["sdpa"])
-        return real(*args, **kwargs)
-    monkeypatch.setattr(block_attention, "_blocks_attention", spy)
+    calls = block_attention_calls
     masked, masked_grads = _forward(model, mb, by_blocks=False)
     assert calls == []
     blocks, block_grads = _forward(model, mb, by_blocks=True)

@@ -203,30 +203,16 @@ def test_one_train_step_in_every_layout_gives_the_dense_gradient_and_metrics(cri
             assert float((grads[n] - g_dense).abs().max()) <= GRAD_REL_TOL * scale, (layout, n)
 
 
-def test_long_responses_read_values_by_block_attention(critic, monkeypatch):
+def test_long_responses_read_values_by_block_attention(critic, block_attention_calls):
     """A group of 8 responses of 24-30 tokens after a 4-token prompt: the critic's shared row
     attends by blocks (dsrl.actor.block_attention, counted) and its values equal each sample's
     own unpadded forward."""
-    import dsrl.actor.block_attention as block_attention
+    from long_groups import long_group
 
-    g = torch.Generator().manual_seed(7)
-    prompt = torch.randint(10, 1000, (4,), generator=g).tolist()
-    samples = []
-    for _ in range(8):
-        n = int(torch.randint(24, 31, (1,), generator=g))
-        samples.append(Sample(prompt_ids=prompt, response_ids=torch.randint(10, 1000, (n,), generator=g).tolist(),
-                              rollout_log_probs=[0.0] * n, group=0, index=len(samples)))
-    calls = []
-    real = block_attention._blocks_attention
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(block_attention, "_blocks_attention", spy)
-    monkeypatch.setattr(block_attention, "MIN_SAVED", 0)  # the tiny rows are short: the ratio alone decides
+    samples = long_group(torch.Generator().manual_seed(7), 4, 0, 0, vocab=(10, 1000))
     update = _update(critic, "shared")
     update.micro_batch_size = 8  # the whole group in one row
     values = update.values(samples)
-    assert calls, "the critic's long shared row did not attend by blocks"
+    assert block_attention_calls, "the critic's long shared row did not attend by blocks"
     for s, v in zip(samples, values):
         torch.testing.assert_close(v, _reference_values(critic, s), rtol=0, atol=VALUE_TOL)

@@ -76,6 +76,12 @@ def test_shared_prompt_equals_dense(tiny_model_path, tiny_tokenizer, samples, ze
     # micro_batch_size 4 over 3 groups of 3: groups 1 and 2 are split across microbatches,
     # so 3 microbatches hold 5 packed rows (dense: 9 rows).
     assert (shared["n_mb"], shared["rows"], dense["rows"]) == (3, 5, 9)
+    _assert_equal_dense(shared, dense)
+
+
+def _assert_equal_dense(shared, dense):
+    """Loss, entropy, per-sample log-probs, gradients and the update of a shared-prompt run equal
+    the dense run's to float tolerance."""
     assert shared["loss"] == pytest.approx(dense["loss"], rel=1e-5, abs=1e-7)
     assert shared["entropy"] == pytest.approx(dense["entropy"], rel=1e-5)
     for a, b in zip(shared["lps"], dense["lps"], strict=True):
@@ -184,42 +190,18 @@ def test_sdpa_attention_takes_the_shared_prompt_mask(tiny_model_path, tiny_token
         assert float((a - b).abs().max()) <= LP_TOL
 
 
-def test_long_responses_attend_by_blocks_and_equal_dense(tiny_model_path, tiny_tokenizer, monkeypatch):
+def test_long_responses_attend_by_blocks_and_equal_dense(tiny_model_path, tiny_tokenizer, block_attention_calls):
     """Two groups of 8 responses of 24-30 tokens after 4- and 6-token prompts: the masked rows
-    would compute >= 2x the score entries the blocks need (the size floor off for these short rows), so the attention runs by blocks
+    would compute >= 2x the score entries the blocks need, so the attention runs by blocks
     (dsrl.actor.block_attention, counted); loss, log-probs, gradient and update equal dense (ZeRO-0)."""
-    import dsrl.actor.block_attention as block_attention
-    from dsrl.actor.batch import Sample
+    from long_groups import long_group
 
     g = torch.Generator().manual_seed(5)
-    samples = []
-    for group, plen in enumerate((4, 6)):
-        prompt = torch.randint(5, 400, (plen,), generator=g).tolist()
-        for k in range(8):
-            n = int(torch.randint(24, 31, (1,), generator=g))
-            samples.append(Sample(prompt_ids=prompt, response_ids=torch.randint(5, 400, (n,), generator=g).tolist(),
-                                  rollout_log_probs=[0.0] * n, group=group, index=len(samples)))
-    calls = []
-    real = block_attention._blocks_attention
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(block_attention, "_blocks_attention", spy)
-    monkeypatch.setattr(block_attention, "MIN_SAVED", 0)  # the tiny rows are short: the ratio alone decides
+    samples = long_group(g, 4, 0, 0) + long_group(g, 6, 1, 8)
     pad = tiny_tokenizer.pad_token_id
     dense = _run(tiny_model_path, samples, pad, zero_stage=0, shared=False, micro_batch_size=8)
-    assert not calls
+    assert not block_attention_calls
     shared = _run(tiny_model_path, samples, pad, zero_stage=0, shared=True, micro_batch_size=8)
     layers = 2  # the tiny Llama's decoder layers: 2 microbatches x (training forward + scoring pass)
-    assert len(calls) == 2 * 2 * layers
-    assert shared["loss"] == pytest.approx(dense["loss"], rel=1e-5, abs=1e-7)
-    assert shared["entropy"] == pytest.approx(dense["entropy"], rel=1e-5)
-    for a, b in zip(shared["lps"], dense["lps"], strict=True):
-        assert float((a - b).abs().max()) <= LP_TOL
-    gscale = max(float(g.abs().max()) for g in dense["grads"].values())
-    for n, grad in dense["grads"].items():
-        assert float((shared["grads"][n] - grad).abs().max()) <= GRAD_REL_TOL * gscale, n
-    uscale = max(float(u.abs().max()) for u in dense["update"].values())
-    for n, u in dense["update"].items():
-        assert float((shared["update"][n] - u).abs().max()) <= GRAD_REL_TOL * uscale, n
+    assert len(block_attention_calls) == 2 * 2 * layers
+    _assert_equal_dense(shared, dense)
