@@ -421,8 +421,6 @@ def _check_data_plugins(cfg: Config, errors: List[str]) -> None:
             errors.append(f"reward.url={url!r} must start with http:// or https://")
     elif fn is not None:
         _resolve(lambda name: get_verifier(name, "reward.fn"), fn, errors)
-    if cfg.reward.eval_fn is not None:
-        _resolve(lambda name: get_verifier(name, "reward.eval_fn"), cfg.reward.eval_fn, errors)
     elif cls is not None:
         default = getattr(cls, "default_verifier", None)
         if not default:
@@ -431,3 +429,5 @@ def _check_data_plugins(cfg: Config, errors: List[str]) -> None:
         else:
             key = f"reward.fn (null: the default_verifier of data.name={d.name!r})"
             _resolve(lambda name: get_verifier(name, key), default, errors)
+    if cfg.reward.eval_fn is not None:
+        _resolve(lambda name: get_verifier(name, "reward.eval_fn"), cfg.reward.eval_fn, errors)

@@ -296,3 +296,15 @@ def test_gsm8k_reasoning_preset_composes_and_validates():
 def test_reward_eval_fn_is_checked_by_name():
     with pytest.raises(ConfigError, match=r"reward\.eval_fn"):
         validate(to_config(_compose("+exp=gsm8k_reasoning", "reward.eval_fn=no_such_verifier")))
+
+
+def test_reward_eval_fn_leaves_the_training_reward_checks_alone(tmp_path):
+    """User files name no default verifier: reward.fn set and eval_fn null validates (the eval_fn
+    check once swallowed this branch and demanded reward.fn though it was set); eval_fn set and
+    reward.fn null still asks for reward.fn."""
+    rows = tmp_path / "train.jsonl"
+    rows.write_text('{"prompt": "1 + 2 =", "answer": "3"}\n')
+    data = ["+exp=grpo_reuse", "data=jsonl", f"data.path={rows}"]
+    validate(to_config(_compose(*data, "reward.fn=gsm8k")))
+    with pytest.raises(ConfigError, match=r"reward\.fn is required"):
+        validate(to_config(_compose(*data, "reward.eval_fn=gsm8k")))
