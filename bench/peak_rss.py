@@ -22,24 +22,14 @@ import time
 import psutil
 
 
-def _hwm_kib(pid: int) -> int:
+def _proc_kib(pid: int, name: str, field: str) -> int:
+    """The kiB figure of `field` ("VmHWM:", "Pss:") in /proc/<pid>/<name>; 0 once the process is gone."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(f"/proc/{pid}/{name}") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field):
                     return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def _pss_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
+    except OSError:  # the process exited between the listing and the read
         pass
     return 0
 
@@ -71,12 +61,12 @@ def main() -> int:
             except psutil.Error:
                 continue
             rss += r
-            pss += _pss_kib(p.pid) * 1024
-            hwm = _hwm_kib(p.pid)
+            pss += _proc_kib(p.pid, "smaps_rollup", "Pss:") * 1024
+            hwm = _proc_kib(p.pid, "status", "VmHWM:")
             if hwm:
                 seen.setdefault(p.pid, {"cmd": name, "hwm_kib": 0})
                 seen[p.pid]["hwm_kib"] = max(seen[p.pid]["hwm_kib"], hwm)
-        root_hwm = max(root_hwm, _hwm_kib(proc.pid))
+        root_hwm = max(root_hwm, _proc_kib(proc.pid, "status", "VmHWM:"))
         peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
         time.sleep(args.interval)
     rc = proc.wait()
