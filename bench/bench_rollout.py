@@ -157,13 +157,8 @@ def new_engine(path, dtype):
     """dsrl's engine as the product builds it (dsrl.rollout.vllm_worker defaults)."""
     from dsrl.rollout.vllm_worker import VLLMWorker
 
-    saved = dict(os.environ)
-    try:
-        t0 = time.perf_counter()
-        w = VLLMWorker(path, dtype=dtype, seed=0)
-    finally:  # VLLMWorker writes the engine's settings into os.environ: keep them out of later engines
-        os.environ.clear()
-        os.environ.update(saved)
+    t0 = time.perf_counter()
+    w = VLLMWorker(path, dtype=dtype, seed=0)  # its engine in a child process (engine host)
     print(f"  started 'dsrl defaults' in {time.perf_counter() - t0:.1f} s", flush=True)
     return Engine("dsrl defaults", None, worker=w)
 

@@ -29,15 +29,12 @@ def file_push(actor, workers, folder: str) -> None:
     """The pre-bucket push: the whole state dict into one safetensors file, each engine reloads it."""
     from safetensors.torch import save_file
 
-    from dsrl.rollout.vllm_worker import reload_and_retie
-
     state = actor.state_dict_for_export()
     path = os.path.join(folder, "model.safetensors")
     save_file(state, path + ".tmp", metadata={"format": "pt"})
     os.replace(path + ".tmp", path)
     for w in workers:
-        w.llm.collective_rpc(reload_and_retie, args=(folder,))
-        w.llm.reset_prefix_cache()
+        w.reload_folder(folder)  # reload_and_retie in the engine, then its prefix cache is dropped
 
 
 class Engines:

@@ -40,14 +40,12 @@ _LEAVE_S = 30.0        # close(): how long the leader waits for the other ranks 
 
 
 class EngineActor:
-    """Runs in a Ray actor process: one VLLMWorker (its engine core is a child process)."""
+    """Runs in a Ray actor process: one VLLMWorker, its engine in this process (the actor's own)."""
 
     def __init__(self, worker_kwargs: dict):
         from dsrl.rollout.vllm_worker import VLLMWorker
 
-        # This process is the engine's own: vLLM runs in it (read by vllm_worker._cpu_env on CPU).
-        os.environ["DSRL_ENGINE_IN_PROCESS"] = "1"
-        self.worker = VLLMWorker(**worker_kwargs)
+        self.worker = VLLMWorker(**worker_kwargs, host="inline")
 
     def where(self) -> dict:
         import ray

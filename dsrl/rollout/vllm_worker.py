@@ -51,16 +51,22 @@ def reload_and_retie(worker, weights_path: str) -> int:
     return retie_head(worker.model_runner.get_model())
 
 
-def _cpu_env(kv_cache_gib: int, local_rank: int, local_world: int) -> dict:
-    """vLLM-CPU settings read by the engine process at start-up."""
-    return {
-        "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
-        "VLLM_CPU_OMP_THREADS_BIND": cpu_core_range(usable_core_ids(), local_rank, local_world),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        # An engine inside a Ray actor (dsrl.rollout.ray_engines) has that process to itself: run it
-        # in-process there (starts ~10x faster, one process per engine, dies with its actor).
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if os.environ.get("DSRL_ENGINE_IN_PROCESS") == "1" else "1",
-    }
+# collective_rpc may carry a function (reload_and_retie) only with this set.
+_RPC_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def engine_env(kv_cache_gib: int, local_rank: int, local_world: int, *, multiprocess: bool) -> dict:
+    """Environment that vLLM reads when an engine starts: RPC serialization (always); on CPU the
+    KV-cache size, this rank's cores and whether the engine core runs in its own process."""
+    env = dict(_RPC_ENV)
+    if not torch.cuda.is_available():
+        env.update({
+            "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_core_range(usable_core_ids(), local_rank, local_world),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+        })
+    return env
 
 
 def lora_engine_kwargs(lora_rank: int) -> dict:
@@ -117,10 +123,6 @@ def _note_no_sleep_mode() -> None:
                                        "the engine keeps its memory during training")
 
 
-# collective_rpc may carry a function (reload_and_retie) only with this set.
-_RPC_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-
-
 def _generation_bar(iterable=None, **kwargs):
     """Passed to vLLM as `use_tqdm`: its "Processed prompts" pass becomes dsrl's single
     "generate" bar; its prompt-rendering pass (over `iterable`) gets none."""
@@ -129,18 +131,19 @@ def _generation_bar(iterable=None, **kwargs):
     return progress(total=kwargs.get("total"), desc="generate", unit="sample", leave=False)
 
 
-class VLLMWorker:
+class VLLMEngine:
+    """The vLLM engine itself, in the process where its `vllm.LLM` lives: the engine host's
+    child (dsrl.rollout.engine_host, CPU), a Ray actor, or the caller's process with vLLM's own
+    engine-core process (`multiprocess=True`, CUDA). Callers use `VLLMWorker`, which picks one."""
+
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
                  kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
-                 local_rank: int = 0, local_world: int = 1, weights_dir: Optional[str] = None,
-                 colocated: bool = False, lora_rank: int = 0):
+                 local_rank: int = 0, local_world: int = 1, colocated: bool = False, lora_rank: int = 0,
+                 multiprocess: bool = True):
         from vllm import LLM
 
-        # Read once by the spawned engine process; set before it starts.
-        os.environ.update(_RPC_ENV)
-        if not torch.cuda.is_available():
-            os.environ.update(_cpu_env(kv_cache_gib, local_rank, local_world))
-        self.weights_dir = weights_dir  # unused: weights arrive through shared memory (kept for callers)
+        # Read by vLLM when the engine starts (in this process, or the engine-core process it spawns).
+        os.environ.update(engine_env(kv_cache_gib, local_rank, local_world, multiprocess=multiprocess))
         # Per-request seeds (dsrl.rollout.seeds) on CPU: a prefill split across engine steps discards
         # the sampled token and rewinds the request's generator with set_offset, which CPU torch
         # generators do not support ("CPU Generator does not use offset"). Without chunked prefill a
@@ -158,7 +161,12 @@ class VLLMWorker:
                        disable_log_stats=True, use_tqdm_on_load=False, **cpu_only, **cuda_only, **lora_only)
         self.sleep_mode = bool(cuda_only.get("enable_sleep_mode"))
         self.start_seconds = time.time() - t0
-        self._procs = engine_processes(self.llm)
+        # The engine's own processes (multiprocess); none in-process: it lives and dies with this one.
+        self._procs = engine_processes(self.llm) if multiprocess else []
+
+    def facts(self) -> dict:
+        """What the worker in front of this engine reports without asking it each time."""
+        return {"start_seconds": self.start_seconds, "sleep_mode": self.sleep_mode}
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
                  max_tokens: int, show_progress: bool = False,
@@ -203,33 +211,17 @@ class VLLMWorker:
         return outs
 
     # ------------------------------------------------------------------ weights
-    # Own staging of a worker used without a ResilientWorker (e.g. inside a Ray actor or the bench).
-    _staging = None
-
-    @property
-    def shared_memory_sync(self) -> bool:
-        """Weights arrive through shared-memory files (CPU engine); on CUDA through IPC handles."""
-        return not torch.cuda.is_available()
-
-    def push_weights(self, weights, step: int) -> float:
-        """New weights into the engine: a state dict ({HF name: tensor}) or an iterable of Buckets
-        (dsrl.rollout.buckets). CPU: staged in this worker's shared memory, then
-        `load_shared_weights`; CUDA: IPC handles (dsrl.rollout.cuda_ipc). Returns seconds."""
+    def push_ipc(self, weights) -> float:
+        """CUDA: new weights (a state dict or GPU Buckets) through CUDA IPC handles
+        (dsrl.rollout.cuda_ipc); the engine's prefix cache is dropped. Returns seconds."""
         from dsrl.rollout.buckets import pack_buckets
+        from dsrl.rollout.cuda_ipc import gpu_alloc, push_ipc_buckets
 
         t0 = time.perf_counter()
-        if not self.shared_memory_sync:
-            from dsrl.rollout.cuda_ipc import gpu_alloc, push_ipc_buckets
-
-            if isinstance(weights, Mapping):
-                weights = pack_buckets(weights.items(), DEFAULT_BUCKET_BYTES, alloc=gpu_alloc())
-            push_ipc_buckets(self.llm, weights)
-            self.llm.reset_prefix_cache()
-            return time.perf_counter() - t0
         if isinstance(weights, Mapping):
-            weights = pack_buckets(weights.items(), DEFAULT_BUCKET_BYTES, alloc=self._own_staging().alloc)
-        refs = self._own_staging().stage(weights)
-        self.load_shared_weights(refs)
+            weights = pack_buckets(weights.items(), DEFAULT_BUCKET_BYTES, alloc=gpu_alloc())
+        push_ipc_buckets(self.llm, weights)
+        self.llm.reset_prefix_cache()
         return time.perf_counter() - t0
 
     def load_shared_weights(self, refs) -> float:
@@ -245,12 +237,14 @@ class VLLMWorker:
         self.llm.reset_prefix_cache()
         return time.perf_counter() - t0
 
-    def reload_pushed_weights(self) -> bool:
-        """Load this worker's last staged weights again; False when nothing was pushed through it."""
-        if self._staging is None or not self._staging.refs:
-            return False
-        self.load_shared_weights(self._staging.refs)
-        return True
+    def reload_folder(self, folder: str) -> None:
+        """Reload every weight from an HF safetensors folder (the Tinker sampler's full-weight
+        checkpoints); the prefix cache, computed with the old weights, is dropped."""
+        self.llm.collective_rpc(reload_and_retie, args=(str(folder),))
+        self.llm.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
 
     def load_adapter(self, path: str, adapter_id: int) -> float:
         """actor.lora: serve the PEFT adapter folder at `path` from now on (dsrl.rollout.lora_sync).
@@ -269,6 +263,10 @@ class VLLMWorker:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
         self.llm.reset_prefix_cache()
         return time.perf_counter() - t0
+
+    def adapter_id(self) -> Optional[int]:
+        """The id of the LoRA adapter every generate uses (None: the base model)."""
+        return None if self.lora_request is None else int(self.lora_request.lora_int_id)
 
     def probe_sampled(self, prompt_ids: Sequence[Sequence[int]], *, max_tokens: int,
                       seed: int) -> List[tuple]:
@@ -306,13 +304,6 @@ class VLLMWorker:
             steps = out.prompt_logprobs or []
             result.append([float(steps[i][int(tok)].logprob) for i, tok in enumerate(ids) if i >= 1])
         return result
-
-    def _own_staging(self):
-        from dsrl.rollout.shm_transport import ShmStaging
-
-        if self._staging is None:
-            self._staging = ShmStaging()
-        return self._staging
 
     def sleep(self, level: int = 1) -> None:
         """Free the engine's GPU memory for the train phase (vLLM sleep mode; level 1 keeps the
@@ -354,9 +345,6 @@ class VLLMWorker:
     def close(self) -> None:
         """Shut the engine down (vLLM's own shutdown), then make sure none of its processes
         survives: whatever still runs after a grace period is killed."""
-        staging, self._staging = self._staging, None
-        if staging is not None:
-            staging.close()
         llm = getattr(self, "llm", None)
         self.llm = None
         procs = _with_descendants(getattr(self, "_procs", []))
@@ -368,6 +356,188 @@ class VLLMWorker:
                     shutdown()
             del llm
         _reap(procs)
+
+
+HOSTS = ("auto", "process", "inline", "vllm")
+
+
+def resolve_host(host: str) -> str:
+    """Where a worker's engine runs. `process` (what `auto` picks on CPU): one child process of
+    dsrl's (dsrl.rollout.engine_host) with vLLM's engine core and model in it; vLLM's own CPU
+    multiprocessing would spawn two layers (engine core, then model worker), each importing torch
+    and vLLM: a tiny model's engine took 20-22 s to start and 5 s to close that way, 4 s and 1 s
+    in-process (measured, 2-core Xeon). `vllm` (what `auto` picks on CUDA): in this process, with
+    vLLM's own engine-core process (CUDA IPC weight pushes need the `vllm.LLM` here). `inline`: in
+    this process with no child at all (a Ray actor, or the host's child itself: vLLM then binds
+    this process's threads and replaces its torch.set_num_threads)."""
+    if host not in HOSTS:
+        raise ValueError(f"engine host {host!r}: expected one of {HOSTS}")
+    if host == "auto":
+        return "vllm" if torch.cuda.is_available() else "process"
+    return host
+
+
+class LocalEngine:
+    """An engine in this process, called like the host's child (`call`)."""
+
+    def __init__(self, engine: VLLMEngine):
+        self.engine = engine
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.engine, method)(*args, **kwargs)
+
+    def alive(self) -> bool:
+        return self.engine.engine_alive()
+
+    def kill(self) -> None:
+        self.engine.kill()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class VLLMWorker:
+    """The rollout worker of one vLLM engine: generate, weight pushes, probes, adapters,
+    sleep/wake, liveness. The engine runs where `host` says (`resolve_host`); every call goes
+    through one `call`, so a worker behaves the same wherever its engine is."""
+
+    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
+                 kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
+                 local_rank: int = 0, local_world: int = 1, weights_dir: Optional[str] = None,
+                 colocated: bool = False, lora_rank: int = 0, host: str = "auto"):
+        self.host = resolve_host(host)
+        self.weights_dir = weights_dir  # unused: weights arrive through shared memory (kept for callers)
+        self.lora_enabled = int(lora_rank) > 0
+        engine_kwargs = dict(dtype=dtype, seed=seed, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                             local_rank=local_rank, local_world=local_world, colocated=colocated,
+                             lora_rank=lora_rank)
+        if self.host == "process":
+            from dsrl.rollout.engine_host import EngineHost
+
+            self._engine = EngineHost(str(model_path), engine_kwargs)
+        else:
+            self._engine = LocalEngine(VLLMEngine(str(model_path), **engine_kwargs, multiprocess=self.host == "vllm"))
+        facts = self._engine.call("facts")
+        self.start_seconds = float(facts["start_seconds"])
+        self.sleep_mode = bool(facts["sleep_mode"])
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt_ids: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
+                 max_tokens: int, show_progress: bool = False,
+                 seeds: Optional[Sequence[int]] = None) -> List[List[Completion]]:
+        """n completions per prompt, each with its sampling log-probs (VLLMEngine.generate)."""
+        return self._engine.call("generate", [list(p) for p in prompt_ids], n=n, temperature=temperature,
+                                 top_p=top_p, max_tokens=max_tokens, show_progress=show_progress,
+                                 seeds=None if seeds is None else [int(s) for s in seeds])
+
+    def run(self, requests: list, params: list) -> list:
+        """vLLM requests with their SamplingParams; vLLM's RequestOutputs, in request order."""
+        return self._engine.call("run", requests, params)
+
+    def probe_sampled(self, prompt_ids: Sequence[Sequence[int]], *, max_tokens: int, seed: int) -> List[tuple]:
+        return self._engine.call("probe_sampled", [list(p) for p in prompt_ids], max_tokens=max_tokens, seed=seed)
+
+    def probe_logprobs(self, token_id_lists: Sequence[Sequence[int]]) -> List[List[float]]:
+        return self._engine.call("probe_logprobs", [list(t) for t in token_id_lists])
+
+    # ------------------------------------------------------------------ weights
+    # Own staging of a worker used without a ResilientWorker (e.g. inside a Ray actor or the bench).
+    _staging = None
+
+    @property
+    def shared_memory_sync(self) -> bool:
+        """Weights arrive through shared-memory files (CPU engine); on CUDA through IPC handles."""
+        return not torch.cuda.is_available()
+
+    def push_weights(self, weights, step: int) -> float:
+        """New weights into the engine: a state dict ({HF name: tensor}) or an iterable of Buckets
+        (dsrl.rollout.buckets). CPU: staged in this worker's shared memory, then
+        `load_shared_weights`; CUDA: IPC handles (dsrl.rollout.cuda_ipc). Returns seconds."""
+        from dsrl.rollout.buckets import pack_buckets
+
+        t0 = time.perf_counter()
+        if not self.shared_memory_sync:
+            self._engine.call("push_ipc", weights)
+            return time.perf_counter() - t0
+        if isinstance(weights, Mapping):
+            weights = pack_buckets(weights.items(), DEFAULT_BUCKET_BYTES, alloc=self._own_staging().alloc)
+        refs = self._own_staging().stage(weights)
+        self.load_shared_weights(refs)
+        return time.perf_counter() - t0
+
+    def load_shared_weights(self, refs) -> float:
+        """Load staged buckets (dsrl.rollout.shm_transport.ShmBucketRef, in packing order). Returns seconds."""
+        return self._engine.call("load_shared_weights", list(refs))
+
+    def reload_pushed_weights(self) -> bool:
+        """Load this worker's last staged weights again; False when nothing was pushed through it."""
+        if self._staging is None or not self._staging.refs:
+            return False
+        self.load_shared_weights(self._staging.refs)
+        return True
+
+    def reload_folder(self, folder: str) -> None:
+        """Every weight from an HF safetensors folder (VLLMEngine.reload_folder)."""
+        self._engine.call("reload_folder", str(folder))
+
+    def reset_prefix_cache(self) -> None:
+        self._engine.call("reset_prefix_cache")
+
+    def load_adapter(self, path: str, adapter_id: int) -> float:
+        """actor.lora: serve the PEFT adapter folder at `path` from now on (VLLMEngine.load_adapter)."""
+        if not self.lora_enabled:
+            raise RuntimeError("load_adapter on a vLLM engine started without LoRA (lora_rank=0)")
+        return self._engine.call("load_adapter", str(path), int(adapter_id))
+
+    def adapter_id(self) -> Optional[int]:
+        """The id of the adapter the engine serves (None: the base model)."""
+        return self._engine.call("adapter_id")
+
+    def _own_staging(self):
+        from dsrl.rollout.shm_transport import ShmStaging
+
+        if self._staging is None:
+            self._staging = ShmStaging()
+        return self._staging
+
+    # ------------------------------------------------------------------ memory, liveness
+    def sleep(self, level: int = 1) -> None:
+        """VLLMEngine.sleep: a no-op without sleep mode (CPU engines, engines on GPUs of their own)."""
+        if not self.sleep_mode:
+            _note_no_sleep_mode()
+            return
+        self._engine.call("sleep", int(level))
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        if not self.sleep_mode:
+            return
+        self._engine.call("wake_up", None if tags is None else list(tags))
+
+    def engine_alive(self) -> bool:
+        """Every process of the engine still runs (a zombie counts as dead); answered here,
+        never by asking the engine, so a hung engine is seen as alive, not waited for."""
+        return self._engine is not None and self._engine.alive()
+
+    def kill(self) -> None:
+        """Stop a dead or hung engine at once (SIGKILL); a call still waiting on it returns with
+        an engine-death error."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.kill()
+        self._close_staging()
+
+    def close(self) -> None:
+        """Shut the engine down; none of its processes survives (killed after a grace period)."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+        self._close_staging()
+
+    def _close_staging(self) -> None:
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.close()
 
 
 # ---------------------------------------------------------------------- engine processes

@@ -96,7 +96,6 @@ class VllmSampler:
         pushed through shared memory (vLLM's own LoRA cannot adapt the head, which Tinker's LoRA
         trains by default)."""
         from dsrl.actor.lora import ADAPTER_CONFIG
-        from dsrl.rollout.vllm_worker import reload_and_retie
 
         target = self.base_folder if folder is None else str(folder)
         if target == self.loaded:
@@ -105,10 +104,9 @@ class VllmSampler:
             raise UserError(f"sampler weights {target} are gone (ephemeral snapshots are pruned; "
                             f"call save_weights_and_get_sampling_client again)")
         if (Path(target) / ADAPTER_CONFIG).is_file():
-            self.worker.push_weights(self._merged(Path(target)), step=0)
+            self.worker.push_weights(self._merged(Path(target)), step=0)  # drops the prefix cache
         else:
-            self.worker.llm.collective_rpc(reload_and_retie, args=(target,))
-        self.worker.llm.reset_prefix_cache()  # cached prefix KV belongs to the old weights
+            self.worker.reload_folder(target)  # drops the prefix cache too
         self.loaded = target
 
     def _merged(self, folder: Path) -> dict:

@@ -14,7 +14,7 @@ import torch
 from dsrl.config.schema import RolloutConfig
 from dsrl.rollout import cuda_ipc, weight_sync
 from dsrl.rollout.resilient import ResilientWorker, RolloutEngineError
-from dsrl.rollout.vllm_worker import VLLMWorker
+from dsrl.rollout.vllm_worker import LocalEngine, VLLMEngine, VLLMWorker
 
 pytestmark = pytest.mark.slow  # one tiny DeepSpeed engine
 
@@ -63,9 +63,12 @@ class FakeEngine:
         self.cache_resets = getattr(self, "cache_resets", 0) + 1
 
 
-def _worker(engine):
+def _worker(fake_llm):
+    """The real VLLMWorker -> VLLMEngine.push_ipc path, with the fake in place of vllm.LLM."""
+    engine = object.__new__(VLLMEngine)
+    engine.llm = fake_llm
     w = object.__new__(VLLMWorker)
-    w.llm = engine
+    w._engine = LocalEngine(engine)
     return w
 
 

@@ -67,14 +67,14 @@ def test_adapter_sync_sends_only_the_adapter_and_matches_the_trainer(actor, tiny
         full_bytes = sum(t.numel() * t.element_size() for _, t in actor.export_named_tensors(copy=False))
         assert m["rollout/sync_bytes"] == adapter_bytes < full_bytes / 10
         assert 0.0 <= m["rollout/sync_logprob_diff"] < 1e-4, m
-        first = rw.worker.lora_request.lora_int_id
+        first = rw.worker.adapter_id()
 
         _perturb_adapter(actor, 1)
         with pytest.raises(WeightSyncError, match="failed its probe"):  # the stale adapter is visible to the probe
             sync.check(1)
         m = sync.push(2)
         assert 0.0 <= m["rollout/sync_logprob_diff"] < 1e-4, m
-        assert rw.worker.lora_request.lora_int_id == first + 1  # a new id per sync
+        assert rw.worker.adapter_id() == first + 1  # a new id per sync
         assert os.listdir(sync.adapter_sync.folder) == [os.path.basename(sync.adapter_sync.current)]
 
         # Under the id already served, vLLM keeps its cached adapter: the new weights are not used.

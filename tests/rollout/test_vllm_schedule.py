@@ -26,7 +26,7 @@ def test_same_requests_same_seeds_same_completions_in_bf16(smollm2_path):
         seeds = list(range(1000, 1016))
         runs = []
         for _ in range(3):
-            worker.llm.reset_prefix_cache()  # every call computes its prompts afresh
+            worker.reset_prefix_cache()  # every call computes its prompts afresh
             groups = worker.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=32, seeds=seeds)
             runs.append([[(c.token_ids, c.logprobs) for c in group] for group in groups])
         assert len(runs[0]) == 16 and all(len(g) == 4 for g in runs[0])
