@@ -47,23 +47,26 @@ PROBE_EVERY = 10
 
 @contextlib.contextmanager
 def old_rollout_settings():
-    """Build a vLLM worker with the engine settings dsrl used before issue 9."""
+    """Build a vLLM worker with the engine settings dsrl used before issue 9: vLLM's own
+    multiprocessing, its environment and LLM kwargs of then."""
     import bench_rollout
-    from dsrl.rollout import vllm_worker
+    from dsrl.rollout import vllm_engine, vllm_worker
 
-    saved = vllm_worker._cpu_env, vllm_worker.cpu_llm_kwargs
+    saved = vllm_engine.engine_env, vllm_engine.cpu_llm_kwargs, vllm_worker.resolve_host
 
-    def old_env(kv_cache_gib, local_rank, local_world):
+    def old_env(kv_cache_gib, local_rank, local_world, *, multiprocess):
         last = (os.cpu_count() or 1) - 1
-        return {k: v.format(last=last) for k, v in bench_rollout.OLD_ENV.items()}
+        today = saved[0](kv_cache_gib, local_rank, local_world, multiprocess=True)  # RPC serialization too
+        return {**today, **{k: v.format(last=last) for k, v in bench_rollout.OLD_ENV.items()}}
 
     def old_kwargs():
         return {"enable_chunked_prefill": bench_rollout.OLD_KWARGS["enable_chunked_prefill"]}
-    vllm_worker._cpu_env, vllm_worker.cpu_llm_kwargs = old_env, old_kwargs
+    vllm_engine.engine_env, vllm_engine.cpu_llm_kwargs = old_env, old_kwargs
+    vllm_worker.resolve_host = lambda host: "vllm"  # in this process, where the patches apply
     try:
         yield
     finally:
-        vllm_worker._cpu_env, vllm_worker.cpu_llm_kwargs = saved
+        vllm_engine.engine_env, vllm_engine.cpu_llm_kwargs, vllm_worker.resolve_host = saved
 
 
 @dataclasses.dataclass

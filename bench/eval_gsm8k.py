@@ -41,10 +41,10 @@ def evaluate_model(path: str, cfg, num: int, samples: int) -> dict:
     from dsrl.data.chat import apply_chat_template
     from dsrl.data.registry import build_source
     from dsrl.reward.verifiers import gsm8k_format, gsm8k_last_number, states_final_answer
-    from dsrl.rollout.vllm_worker import _cpu_env
+    from dsrl.rollout.vllm_engine import engine_env
     from dsrl.setup_assets import default_cache_dir, resolve_model_path
 
-    os.environ.update(_cpu_env(cfg.rollout.kv_cache_gib, 0, 1))
+    os.environ.update(engine_env(cfg.rollout.kv_cache_gib, 0, 1, multiprocess=True))  # vllm.LLM here, its core apart
     path = resolve_model_path(path, str(default_cache_dir()))
     tok = AutoTokenizer.from_pretrained(path)
     prompts = build_source(cfg.data).eval_set(num)

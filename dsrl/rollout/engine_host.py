@@ -168,7 +168,7 @@ class EngineHost:
 def serve(conn: Connection) -> int:
     """The child: build the engine, then answer calls until `close` or the parent's end closes."""
     model_path, engine_kwargs = conn.recv()
-    from dsrl.rollout.vllm_worker import VLLMEngine
+    from dsrl.rollout.vllm_engine import VLLMEngine
 
     try:
         engine = VLLMEngine(model_path, **engine_kwargs, multiprocess=False)

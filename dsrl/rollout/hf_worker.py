@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from dsrl.rollout.vllm_worker import Completion
+from dsrl.rollout.vllm_engine import Completion
 from dsrl.tracking.progress import progress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -65,7 +65,7 @@ class ResilientWorker:
         and a retried load reads the same bytes. Other workers get the call as is."""
         if self._shm_worker():
             from dsrl.rollout.buckets import pack_buckets
-            from dsrl.rollout.vllm_worker import DEFAULT_BUCKET_BYTES
+            from dsrl.rollout.vllm_engine import DEFAULT_BUCKET_BYTES
 
             staging = self._shm_staging()
             if isinstance(weights, Mapping):

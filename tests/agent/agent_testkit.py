@@ -4,7 +4,7 @@ call-counting wrapper around any worker."""
 from __future__ import annotations
 
 from dsrl.agent.env import StepResult
-from dsrl.rollout.vllm_worker import Completion
+from dsrl.rollout.vllm_engine import Completion
 
 EPISODE_SEED_STRIDE = 1000  # ScriptedWorker reads (episode, turn) from the request seed
 

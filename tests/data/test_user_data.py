@@ -408,7 +408,7 @@ class _AnswerWorker:
         self.answers_by_ids, self.seen = answers_by_ids, []
 
     def generate(self, prompt_ids, *, n, temperature, **sampling):
-        from dsrl.rollout.vllm_worker import Completion
+        from dsrl.rollout.vllm_engine import Completion
         self.seen.append([list(ids) for ids in prompt_ids])
         out = []
         for ids in prompt_ids:

@@ -15,7 +15,7 @@ import pytest
 from dsrl.rollout.faults import FaultCounter, fault_metrics, pop_counts
 from dsrl.rollout.rewards import RewardGuard
 from dsrl.rollout.samples import generate_samples
-from dsrl.rollout.vllm_worker import Completion
+from dsrl.rollout.vllm_engine import Completion
 
 
 class _ListWorker:

@@ -20,7 +20,7 @@ from dsrl.reward.http import RemoteReward, RewardServerError
 from dsrl.reward.registry import build_verifier
 from dsrl.rollout.rewards import RewardGuard
 from dsrl.rollout.samples import generate_samples
-from dsrl.rollout.vllm_worker import Completion
+from dsrl.rollout.vllm_engine import Completion
 from dsrl.validation.validate import validate
 
 register_configs()

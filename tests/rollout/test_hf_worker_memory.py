@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsrl.rollout import memory as memory_mod
-from dsrl.rollout import vllm_worker
+from dsrl.rollout import vllm_engine, vllm_worker
 from dsrl.rollout.memory import EngineMemory, sleep_mode_wanted
 
 
@@ -76,16 +76,16 @@ def test_sleep_mode_only_for_a_colocated_cuda_vllm_engine_without_overlap(monkey
 
 def test_cuda_engine_kwargs_place_each_rank_on_its_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert vllm_worker.cuda_engine_kwargs(3, colocated=True) == {"device_ids": [3], "enable_sleep_mode": True}
-    assert vllm_worker.cuda_engine_kwargs(3, colocated=False) == {}
+    assert vllm_engine.cuda_engine_kwargs(3, colocated=True) == {"device_ids": [3], "enable_sleep_mode": True}
+    assert vllm_engine.cuda_engine_kwargs(3, colocated=False) == {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert vllm_worker.cuda_engine_kwargs(3, colocated=True) == {}
+    assert vllm_engine.cuda_engine_kwargs(3, colocated=True) == {}
 
 
 def test_cpu_worker_sleep_and_wake_are_logged_noops(caplog):
     w = object.__new__(vllm_worker.VLLMWorker)  # no engine: sleep mode off must never touch it
     w.sleep_mode, w._engine = False, None
-    monkey_said = vllm_worker._said_no_sleep
+    monkey_said = vllm_engine._said_no_sleep
     monkey_said.clear()
     with caplog.at_level("INFO", logger="dsrl"):
         w.sleep(1)

@@ -14,7 +14,8 @@ import torch
 from dsrl.config.schema import RolloutConfig
 from dsrl.rollout import cuda_ipc, weight_sync
 from dsrl.rollout.resilient import ResilientWorker, RolloutEngineError
-from dsrl.rollout.vllm_worker import LocalEngine, VLLMEngine, VLLMWorker
+from dsrl.rollout.vllm_engine import VLLMEngine
+from dsrl.rollout.vllm_worker import LocalEngine, VLLMWorker
 
 pytestmark = pytest.mark.slow  # one tiny DeepSpeed engine
 

@@ -212,7 +212,7 @@ def test_vllm_processes_log_to_vllm_log(tmp_path, fresh_logging, verbose):
 
 def test_generation_shows_one_dsrl_bar():
     """vLLM's use_tqdm factory: its rendering pass gets no bar, its processing pass dsrl's bar."""
-    from dsrl.rollout.vllm_worker import _generation_bar
+    from dsrl.rollout.vllm_engine import _generation_bar
 
     prompts = [1, 2, 3]
     assert _generation_bar(prompts, desc="Rendering prompts") is prompts

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 from dsrl.config.schema import Config
 from dsrl.data.types import user_prompt
-from dsrl.rollout.vllm_worker import Completion
+from dsrl.rollout.vllm_engine import Completion
 from dsrl.trainer import Trainer
 from dsrl.validation.reuse import decide_reuse
 from dsrl.validation.validate import validate

@@ -11,7 +11,7 @@ from dsrl.config.schema import Config
 from dsrl.data.types import user_prompt
 from dsrl.errors import ConfigError, ReuseInvariantError
 from dsrl.loss.types import LossInputs
-from dsrl.rollout.vllm_worker import Completion
+from dsrl.rollout.vllm_engine import Completion
 from dsrl.trainer import Trainer
 from dsrl.validation.reuse import decide_reuse
 from dsrl.validation.validate import validate

@@ -1,0 +1,86 @@
+"""The CPU engine's own process (dsrl.rollout.engine_host) with the REAL vLLM engine on the tiny
+Llama: one child named VLLM::EngineCore and nothing under it (vLLM in-process there), no vLLM in
+the caller's process, a bad request raised in the caller with the engine's traceback and the
+engine still serving, a model that cannot load named before anything runs, and a child that
+outlives its parent by at most a few seconds. Kills, hangs and restarts through ResilientWorker:
+tests/rollout/test_engine_restart.py; the same tokens as vLLM's own multiprocess engine, bit for
+bit in bf16: tests/e2e/test_behaviour_kept.py (its reference tree keeps vLLM's two layers)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from dsrl.rollout.engine_host import PROCESS_TITLE, EngineStartError
+from dsrl.rollout.vllm_worker import VLLMWorker, resolve_host
+from dsrl.testing import subprocess_env
+
+pytestmark = pytest.mark.slow
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def test_auto_is_the_process_host_on_cpu_and_unknown_hosts_are_named():
+    assert resolve_host("auto") == "process"  # this suite runs without CUDA
+    assert [resolve_host(h) for h in ("process", "inline", "vllm")] == ["process", "inline", "vllm"]
+    with pytest.raises(ValueError, match=r"engine host 'subprocess': expected one of \('auto', 'process'"):
+        resolve_host("subprocess")
+
+
+def test_one_child_no_vllm_here_bad_requests_raised_here_and_the_engine_keeps_serving(tiny_model_path):
+    had_vllm = "vllm" in sys.modules  # another test in this process may have imported it
+    w = VLLMWorker(str(tiny_model_path), dtype="float32", kv_cache_gib=1)
+    try:
+        child = psutil.Process(w._engine.pid)
+        assert child.ppid() == psutil.Process().pid and child.name() == PROCESS_TITLE[:15]
+        assert child.children(recursive=True) == []  # vLLM's engine core and model runner are in it
+        assert had_vllm or "vllm" not in sys.modules  # the caller never imports vLLM for this engine
+        first = w.generate([[1, 2, 3]], n=2, temperature=1.0, top_p=1.0, max_tokens=6, seeds=[7])
+        with pytest.raises(ValueError, match=r"2 seeds for 1 prompts") as info:
+            w.generate([[1, 2, 3]], n=2, temperature=1.0, top_p=1.0, max_tokens=6, seeds=[7, 8])
+        assert any("in the engine process" in n and "generate" in n for n in info.value.__notes__)
+        again = w.generate([[1, 2, 3]], n=2, temperature=1.0, top_p=1.0, max_tokens=6, seeds=[7])
+        assert [c.token_ids for c in again[0]] == [c.token_ids for c in first[0]]  # same seed, same tokens
+        assert w.engine_alive()
+    finally:
+        w.close()
+    assert not _alive(child.pid) and not w.engine_alive()
+
+
+def test_a_model_that_cannot_load_is_named_and_leaves_no_process(tmp_path):
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    before = {p.pid for p in psutil.Process().children()}
+    with pytest.raises(EngineStartError, match=r"vLLM engine for .*not-a-model failed to start"):
+        VLLMWorker(str(bad), dtype="float32", kv_cache_gib=1)
+    left = [p for p in psutil.Process().children() if p.pid not in before and _alive(p.pid)]
+    assert left == []
+
+
+def test_the_engine_process_exits_when_its_parent_dies_without_closing_it(tiny_model_path, tmp_path):
+    """No reaper here: the parent is SIGKILLed, the child sees its end of the pipe close and exits."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from dsrl.rollout.vllm_worker import VLLMWorker
+        w = VLLMWorker({str(tiny_model_path)!r}, dtype="float32", kv_cache_gib=1)
+        print(w._engine.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       env=subprocess_env())
+    assert r.returncode == -9, r.stderr[-3000:]
+    pid = int(r.stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid), f"engine process {pid} outlived its parent by 30 s"
