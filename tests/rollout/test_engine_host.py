@@ -41,7 +41,7 @@ def test_one_child_no_vllm_here_bad_requests_raised_here_and_the_engine_keeps_se
     w = VLLMWorker(str(tiny_model_path), dtype="float32", kv_cache_gib=1)
     try:
         child = psutil.Process(w._engine.pid)
-        assert child.ppid() == psutil.Process().pid and child.name() == PROCESS_TITLE[:15]
+        assert child.ppid() == psutil.Process().pid and child.name().startswith(PROCESS_TITLE[:15])  # comm holds 15 chars
         assert child.children(recursive=True) == []  # vLLM's engine core and model runner are in it
         assert had_vllm or "vllm" not in sys.modules  # the caller never imports vLLM for this engine
         first = w.generate([[1, 2, 3]], n=2, temperature=1.0, top_p=1.0, max_tokens=6, seeds=[7])
