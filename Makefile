@@ -5,8 +5,10 @@ STAMP := $(VENV)/.dsrl-setup
 ARGS ?=
 PYTEST_ARGS ?=
 # Two pytest workers (pytest-xdist): a test file stays on one worker, the heaviest files start first
-# (tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process.
+# (tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process. Each worker and what it
+# starts runs on its own share of the cores; TEST_PIN=0 leaves them unpinned.
 TEST_WORKERS ?= 2
+export TEST_PIN ?= 1
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 export RAY_AUTH_MODE ?= disabled
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions

@@ -6,9 +6,31 @@ import os
 
 import pytest
 
-from dsrl.testing import (configure_test_env, default_cache_dir, ensure_tiny_model,
+
+
+def _pin_this_worker() -> None:
+    """Under `make test` (N pytest-xdist workers, N <= cores) each worker, and every process it
+    starts (CLI jobs, engines, ranks, Ray), runs on its own 1/N of the cores: dsrl sizes its
+    threads from the affinity (dsrl.hardware.usable_core_ids), so two workers no longer run four
+    spinning OpenMP thread pools on two cores. Set before torch starts its thread pool. TEST_PIN=0
+    (the Makefile's knob) leaves the affinity alone; one process (TEST_WORKERS=0) is never pinned."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not worker.startswith("gw") or count < 2 or os.environ.get("TEST_PIN", "1") == "0":
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // count
+    if per < 1:
+        return
+    index = int(worker[2:]) % count
+    os.sched_setaffinity(0, cores[index * per:(index + 1) * per])
+
+
+_pin_this_worker()
+
+from dsrl.testing import (configure_test_env, default_cache_dir, ensure_tiny_model,  # noqa: E402
                           smollm2_available)
-from dsrl.setup_assets import smollm2_path as _smollm2_path
+from dsrl.setup_assets import smollm2_path as _smollm2_path  # noqa: E402
 
 # Before any test imports ray / deepspeed / torch extensions.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -2,7 +2,9 @@
 and log-probs bit for bit, call after call (a real vLLM-CPU engine, SmolLM2-135M in bf16). Before
 `VLLMWorker.run` paused the engine core while a call's requests were added, the batches it
 scheduled depended on when each request arrived, and bf16's batch-dependent rounding changed 2
-to 18 of these 64 completions between two identical calls."""
+to 18 of these 64 completions between two identical calls. The engine keeps vLLM's own engine-core
+process (host `vllm`, as on CUDA), where that race can happen; dsrl's CPU engine runs vLLM in-process
+in a child of its own (dsrl.rollout.engine_host) and steps only when asked."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hardware.cpu_has_native_b
 
 
 def test_same_requests_same_seeds_same_completions_in_bf16(smollm2_path):
-    worker = VLLMWorker(str(smollm2_path), dtype="bfloat16", kv_cache_gib=1)
+    worker = VLLMWorker(str(smollm2_path), dtype="bfloat16", kv_cache_gib=1, host="vllm")
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(100, 20000, (int(torch.randint(20, 60, (1,), generator=g)),), generator=g).tolist()
