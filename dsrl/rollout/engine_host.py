@@ -134,11 +134,19 @@ class EngineHost:
             return False
 
     def kill(self) -> None:
-        """SIGKILL the child (a call waiting on it then gets EOF) and reap it."""
+        """SIGKILL the child and reap it. A call still waiting on it gets EOF from the kernel and
+        returns; its end of the pipe is closed here only once that call has let go of it (never
+        under a reader, whose fd number could be reused)."""
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
         self.proc.wait()
-        self._drop_conn()
+        if self._lock.acquire(timeout=_CLOSE_S):
+            try:
+                self._drop_conn()
+            finally:
+                self._lock.release()
+        else:  # the waiting call keeps its Connection; it is closed when that call lets it go
+            self.conn = None
 
     def close(self) -> None:
         """Ask the child to shut vLLM down and exit; kill it if it has not within _CLOSE_S."""
@@ -154,9 +162,8 @@ class EngineHost:
         try:
             self.proc.wait(timeout=_CLOSE_S)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._drop_conn()
+            pass
+        self.kill()
 
     def _drop_conn(self) -> None:
         conn, self.conn = self.conn, None
