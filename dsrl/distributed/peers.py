@@ -5,7 +5,9 @@ address this host uses to reach MASTER_ADDR, i.e. the one its peers' connections
 When a collective fails because a peer went away (gloo: "Read error [10.77.0.2]:40580:
 Connection reset by peer"; NCCL: "remote process exited"), `lost_rank_message` turns the
 backend's error into one line naming the lost rank(s) and their hosts: the ranks at the
-address the error names, or, where it names none (a timeout), every other rank as a suspect."""
+address the error names, or, where it names none (a timeout), every other rank as a suspect. Only an
+error that came out of torch.distributed counts: a Ray engine's death can read "Connection reset
+by peer" too, and it names its engine itself (dsrl.rollout.ray_engines)."""
 from __future__ import annotations
 
 import os
@@ -47,6 +49,21 @@ def record() -> List[Tuple[int, str, str]]:
     return _table
 
 
+_TORCH_DIST = f"{os.sep}torch{os.sep}distributed{os.sep}"
+
+
+def _from_a_collective(exc: BaseException) -> bool:
+    """`exc`, or an error it was raised from, came out of torch.distributed (gloo, NCCL, the store):
+    a frame of that package is in its traceback."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if any(_TORCH_DIST in f.filename for f in traceback.extract_tb(exc.__traceback__)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _describe(rows) -> str:
     return ", ".join(f"rank {r} on host {host} ({addr})" for r, host, addr in rows)
 
@@ -62,6 +79,8 @@ def lost_rank_message(exc: BaseException) -> Optional[str]:
     text = str(exc)
     if not _table or not isinstance(exc, RuntimeError) or not any(k in text.lower() for k in _PEER_FAILURE):
         return None
+    if exc.__traceback__ is not None and not _from_a_collective(exc):
+        return None  # e.g. a Ray engine's death ("... recvmsg:Connection reset by peer"): its own error
     me = global_rank()
     mine = next((row for row in _table if row[0] == me), (me, socket.gethostname(), "?"))
     addrs = set(_ADDR.findall(text))

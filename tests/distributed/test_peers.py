@@ -26,3 +26,31 @@ def test_a_timeout_names_every_other_rank_as_a_suspect_and_other_errors_pass(mon
     assert peers.lost_rank_message(ValueError(GLOO_RESET)) is None
     monkeypatch.setattr(peers, "_table", [])  # a single process: never recorded
     assert peers.lost_rank_message(RuntimeError(GLOO_RESET)) is None
+
+
+def _raised_in(filename: str, message: str) -> RuntimeError:
+    """`RuntimeError(message)` raised by code whose frame reads `filename`."""
+    try:
+        exec(compile(f"raise RuntimeError({message!r})", filename, "exec"), {})
+    except RuntimeError as e:
+        return e
+    raise AssertionError("not raised")
+
+
+def test_only_an_error_out_of_torch_distributed_is_a_lost_rank(monkeypatch):
+    """A Ray engine's death read 'RpcError: recvmsg:Connection reset by peer' (a clean-clone run of
+    the two-host Ray test): taken for a failed collective, both ranks printed 'a collective ... failed
+    waiting for another rank' instead of the RolloutEngineError naming the engine."""
+    import os
+
+    monkeypatch.setattr(peers, "_table", [(0, "a", "10.77.0.1"), (1, "b", "10.77.0.2")])
+    monkeypatch.setattr(peers, "global_rank", lambda: 0)
+    ray_text = ("vLLM engine 1 (Ray actor 'engine-1'): died during generate: ActorUnavailableError: RpcError: "
+                "recvmsg:Connection reset by peer rpc_code: 14")
+    assert peers.lost_rank_message(_raised_in(os.path.join("x", "dsrl", "rollout", "ray_engines.py"), ray_text)) is None
+    gloo = _raised_in(os.path.join("x", "torch", "distributed", "distributed_c10d.py"), GLOO_RESET)
+    assert peers.lost_rank_message(gloo).startswith("lost rank 1 on host b (10.77.0.2): a collective on rank 0")
+    try:  # a dsrl error raised from the collective's: still the lost rank
+        raise RuntimeError("broadcast failed: " + GLOO_RESET) from gloo
+    except RuntimeError as wrapped:
+        assert peers.lost_rank_message(wrapped).startswith("lost rank 1 on host b (10.77.0.2)")

@@ -7,6 +7,7 @@ tests/rollout/test_engine_restart.py; the same tokens as vLLM's own multiprocess
 bit in bf16: tests/e2e/test_behaviour_kept.py (its reference tree keeps vLLM's two layers)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -36,26 +37,6 @@ def test_auto_is_the_process_host_on_cpu_and_unknown_hosts_are_named():
         resolve_host("subprocess")
 
 
-def test_one_child_no_vllm_here_bad_requests_raised_here_and_the_engine_keeps_serving(tiny_model_path):
-    had_vllm = "vllm" in sys.modules  # another test in this process may have imported it
-    w = VLLMWorker(str(tiny_model_path), dtype="float32", kv_cache_gib=1)
-    try:
-        child = psutil.Process(w._engine.pid)
-        assert child.ppid() == psutil.Process().pid and child.name().startswith(PROCESS_TITLE[:15])  # comm holds 15 chars
-        assert child.children(recursive=True) == []  # vLLM's engine core and model runner are in it
-        assert had_vllm or "vllm" not in sys.modules  # the caller never imports vLLM for this engine
-        first = w.generate([[1, 2, 3]], n=2, temperature=1.0, top_p=1.0, max_tokens=6, seeds=[7])
-        with pytest.raises(ValueError, match=r"2 seeds for 1 prompts") as info:
-            w.generate([[1, 2, 3]], n=2, temperature=1.0, top_p=1.0, max_tokens=6, seeds=[7, 8])
-        assert any("in the engine process" in n and "generate" in n for n in info.value.__notes__)
-        again = w.generate([[1, 2, 3]], n=2, temperature=1.0, top_p=1.0, max_tokens=6, seeds=[7])
-        assert [c.token_ids for c in again[0]] == [c.token_ids for c in first[0]]  # same seed, same tokens
-        assert w.engine_alive()
-    finally:
-        w.close()
-    assert not _alive(child.pid) and not w.engine_alive()
-
-
 def test_a_model_that_cannot_load_is_named_and_leaves_no_process(tmp_path):
     bad = tmp_path / "not-a-model"
     bad.mkdir()
@@ -67,20 +48,42 @@ def test_a_model_that_cannot_load_is_named_and_leaves_no_process(tmp_path):
     assert left == []
 
 
-def test_the_engine_process_exits_when_its_parent_dies_without_closing_it(tiny_model_path, tmp_path):
-    """No reaper here: the parent is SIGKILLed, the child sees its end of the pipe close and exits."""
+def test_one_child_no_vllm_in_the_caller_bad_requests_raised_there_and_no_orphan(tiny_model_path):
+    """A fresh interpreter builds a worker and reports what it sees: one child named VLLM::EngineCore
+    with nothing under it (vLLM's engine core and model runner are in it), no vLLM imported in the
+    caller, a bad request raised in the caller with the engine's traceback as a note and the engine
+    serving the same tokens after it. Then it SIGKILLs itself without closing the worker (no reaper
+    here): the child sees its end of the pipe close and exits."""
     script = textwrap.dedent(f"""
-        import os, signal, sys
+        import json, os, signal, sys
+        import psutil
         from dsrl.rollout.vllm_worker import VLLMWorker
         w = VLLMWorker({str(tiny_model_path)!r}, dtype="float32", kv_cache_gib=1)
-        print(w._engine.pid, flush=True)
+        child = psutil.Process(w._engine.pid)
+        kw = dict(n=2, temperature=1.0, top_p=1.0, max_tokens=6)
+        first = w.generate([[1, 2, 3]], seeds=[7], **kw)
+        try:
+            w.generate([[1, 2, 3]], seeds=[7, 8], **kw)
+            error = None
+        except ValueError as e:
+            error = [str(e), list(getattr(e, "__notes__", []))]
+        again = w.generate([[1, 2, 3]], seeds=[7], **kw)
+        print(json.dumps(dict(pid=child.pid, ppid=child.ppid(), me=os.getpid(), name=child.name(),
+                              grandchildren=len(child.children(recursive=True)), vllm="vllm" in sys.modules,
+                              error=error, same=[c.token_ids for c in again[0]] == [c.token_ids for c in first[0]],
+                              alive=w.engine_alive())), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                        env=subprocess_env())
     assert r.returncode == -9, r.stderr[-3000:]
-    pid = int(r.stdout.split()[-1])
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["ppid"] == seen["me"] and seen["name"].startswith(PROCESS_TITLE[:15])  # comm holds 15 chars
+    assert seen["grandchildren"] == 0 and seen["vllm"] is False and seen["alive"] is True
+    message, notes = seen["error"]
+    assert message == "2 seeds for 1 prompts" and any("in the engine process" in n and "generate" in n for n in notes)
+    assert seen["same"] is True  # same seed, same tokens, after the bad request
     deadline = time.monotonic() + 30
-    while _alive(pid) and time.monotonic() < deadline:
+    while _alive(seen["pid"]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _alive(pid), f"engine process {pid} outlived its parent by 30 s"
+    assert not _alive(seen["pid"]), f"engine process {seen['pid']} outlived its parent by 30 s"

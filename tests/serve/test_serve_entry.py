@@ -1,6 +1,7 @@
 """``python -m dsrl.serve``: bad serve.* settings stop it before anything loads, each named; a real
-server process answers the SDK (LoRA client: forward_backward, optim_step, save_state); a server
-stopped by SIGTERM or SIGKILL leaves none of its vLLM engine processes behind."""
+server process with its sampler answers the SDK (LoRA client: forward_backward, optim_step,
+save_state) and, stopped by SIGTERM, leaves none of its vLLM engine processes behind; nor does one
+stopped by SIGKILL."""
 from __future__ import annotations
 
 import os
@@ -27,8 +28,13 @@ def test_config_errors_name_every_key(tmp_path):
 
 
 @pytest.mark.slow
-def test_server_process_answers_the_sdk(tmp_path, tiny_model_path):
-    proc, url = start_server_process(tmp_path, tiny_model_path, "tml-entry-test")
+def test_server_process_answers_the_sdk_and_sigterm_leaves_no_engine_process(tmp_path, tiny_model_path):
+    """A server with its vLLM sampler answers the SDK (LoRA client); then `kill` (SIGTERM) stops it
+    after closing the service, exit status 143, and none of the sampler's engine processes outlives
+    it (before, uvicorn re-raised SIGTERM under the default handler and they did)."""
+    import psutil
+
+    proc, url = start_server_process(tmp_path, tiny_model_path, "tml-entry-test", *SAMPLER, sampling=True)
     try:
         import tinker
         from tinker import types
@@ -44,8 +50,14 @@ def test_server_process_answers_the_sdk(tmp_path, tiny_model_path):
         path = tc.save_state("end").result().path
         assert os.path.isfile(os.path.join(tmp_path, "checkpoints", path[len("tinker://"):], "tinker.json"))
         sc.close("success").result()
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any(c.name().startswith("VLLM") for c in children), [c.name() for c in children]
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"outlived the server: {[(p.pid, p.name()) for p in alive]}"
     finally:
-        proc.terminate()
+        proc.kill()
         proc.wait(timeout=60)
 
 
@@ -72,17 +84,15 @@ def test_the_published_key_is_refused_off_loopback(host, refused):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_a_stopped_server_leaves_no_engine_process(tmp_path, tiny_model_path, sig):
-    """`kill` (SIGTERM) stops the server after closing the service, exit status 143; before,
-    uvicorn re-raised SIGTERM under the default handler and the sampler's vLLM engine processes
-    outlived the server. SIGKILL: the server's watchdog (dsrl.distributed.reaper) stops them."""
+def test_a_sigkilled_server_leaves_no_engine_process(tmp_path, tiny_model_path):
+    """SIGKILL: the server's watchdog (dsrl.distributed.reaper) stops its vLLM engine processes
+    (SIGTERM: test_server_process_answers_the_sdk_and_sigterm_leaves_no_engine_process)."""
     import psutil
 
     proc, _ = start_server_process(tmp_path, tiny_model_path, "tml-entry-test", *SAMPLER, sampling=True)
     children = psutil.Process(proc.pid).children(recursive=True)
     assert any(c.name().startswith("VLLM") for c in children), [c.name() for c in children]
-    os.kill(proc.pid, sig)
-    assert proc.wait(timeout=120) == (128 + signal.SIGTERM if sig == signal.SIGTERM else -signal.SIGKILL)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=120) == -signal.SIGKILL
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"outlived the server: {[(p.pid, p.name()) for p in alive]}"
