@@ -159,10 +159,8 @@ class EngineHost:
                             self.conn.recv()
             finally:
                 self._lock.release()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # not gone by then: killed below
             self.proc.wait(timeout=_CLOSE_S)
-        except subprocess.TimeoutExpired:
-            pass
         self.kill()
 
     def _drop_conn(self) -> None:

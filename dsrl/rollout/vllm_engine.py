@@ -111,19 +111,6 @@ def cuda_engine_kwargs(local_rank: int, colocated: bool) -> dict:
     return {"device_ids": [int(local_rank)], "enable_sleep_mode": True}
 
 
-_said_no_sleep = []
-
-
-def note_no_sleep_mode() -> None:
-    """Say once per process that sleep() does nothing here."""
-    if not _said_no_sleep:
-        _said_no_sleep.append(True)
-        import logging
-
-        logging.getLogger("dsrl").info("vLLM sleep mode is off (CPU engine, or an engine on GPUs of its own): "
-                                       "the engine keeps its memory during training")
-
-
 def _generation_bar(iterable=None, **kwargs):
     """Passed to vLLM as `use_tqdm`: its "Processed prompts" pass becomes dsrl's single
     "generate" bar; its prompt-rendering pass (over `iterable`) gets none."""
@@ -251,11 +238,10 @@ class VLLMEngine:
         """actor.lora: serve the PEFT adapter folder at `path` from now on (dsrl.rollout.lora_sync).
         `adapter_id` must be new for every sync: vLLM caches adapters by id and would keep serving
         the old weights under a reused one. The files are read here (add_lora), so the previous
-        adapter's folder may be removed once this returns. Returns seconds."""
+        adapter's folder may be removed once this returns. An engine without LoRA is refused by
+        VLLMWorker.load_adapter before it gets here. Returns seconds."""
         from vllm.lora.request import LoRARequest
 
-        if not self.lora_enabled:
-            raise RuntimeError("load_adapter on a vLLM engine started without LoRA (lora_rank=0)")
         t0 = time.perf_counter()
         request = LoRARequest(f"dsrl-adapter-{int(adapter_id)}", int(adapter_id), str(path))
         self.llm.llm_engine.add_lora(request)
@@ -309,20 +295,15 @@ class VLLMEngine:
     def sleep(self, level: int = 1) -> None:
         """Free the engine's GPU memory for the train phase (vLLM sleep mode; level 1 keeps the
         weights in host memory, level 2 drops them: only when every push rewrites all weights,
-        gpu-path.md P2). Nothing may be in flight (P4): the trainer calls it between phases. A
-        no-op without sleep mode (CPU engines, engines on GPUs of their own)."""
-        if not self.sleep_mode:
-            note_no_sleep_mode()
-            return
+        gpu-path.md P2). Nothing may be in flight (P4): the trainer calls it between phases. Only
+        with sleep mode on: VLLMWorker.sleep decides (a no-op on CPU and on GPUs of its own)."""
         self.llm.sleep(level=int(level))
 
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
         """Give back the memory `sleep` freed: `["weights"]` before a weight load (loading into a
         sleeping engine writes to unmapped memory, P1), `["kv_cache"]` once the new weights are
         in (waking both at once while new weights are staged can run out of memory, P3). The
-        engine schedules again once everything is awake. A no-op without sleep mode."""
-        if not self.sleep_mode:
-            return
+        engine schedules again once everything is awake. Only with sleep mode on (VLLMWorker.wake_up)."""
         self.llm.wake_up(None if tags is None else list(tags))
 
     def engine_alive(self) -> bool:

@@ -12,7 +12,19 @@ from typing import List, Mapping, Optional, Sequence
 import torch
 
 from dsrl.rollout.engine_host import EngineHost
-from dsrl.rollout.vllm_engine import DEFAULT_BUCKET_BYTES, Completion, VLLMEngine, note_no_sleep_mode
+from dsrl.rollout.vllm_engine import DEFAULT_BUCKET_BYTES, Completion, VLLMEngine
+
+_said_no_sleep = []
+
+
+def note_no_sleep_mode() -> None:
+    """Say once per process that sleep() does nothing here."""
+    if not _said_no_sleep:
+        _said_no_sleep.append(True)
+        import logging
+
+        logging.getLogger("dsrl").info("vLLM sleep mode is off (CPU engine, or an engine on GPUs of its own): "
+                                       "the engine keeps its memory during training")
 
 
 HOSTS = ("auto", "process", "inline", "vllm")
@@ -158,13 +170,14 @@ class VLLMWorker:
 
     # ------------------------------------------------------------------ memory, liveness
     def sleep(self, level: int = 1) -> None:
-        """VLLMEngine.sleep: a no-op without sleep mode (CPU engines, engines on GPUs of their own)."""
+        """VLLMEngine.sleep; a no-op, said once, without sleep mode (CPU engines, engines on GPUs of their own)."""
         if not self.sleep_mode:
             note_no_sleep_mode()
             return
         self._engine.call("sleep", int(level))
 
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """VLLMEngine.wake_up; a no-op without sleep mode."""
         if not self.sleep_mode:
             return
         self._engine.call("wake_up", None if tags is None else list(tags))

@@ -85,7 +85,7 @@ def test_cuda_engine_kwargs_place_each_rank_on_its_gpu(monkeypatch):
 def test_cpu_worker_sleep_and_wake_are_logged_noops(caplog):
     w = object.__new__(vllm_worker.VLLMWorker)  # no engine: sleep mode off must never touch it
     w.sleep_mode, w._engine = False, None
-    monkey_said = vllm_engine._said_no_sleep
+    monkey_said = vllm_worker._said_no_sleep
     monkey_said.clear()
     with caplog.at_level("INFO", logger="dsrl"):
         w.sleep(1)
