@@ -67,6 +67,10 @@ create() {
     ip -n "${NS[$i]}" addr add "${ADDR[$i]}/24" dev "$VETH"
     ip -n "${NS[$i]}" link set "$VETH" up
   done
+  # Each node resolves both host names (a cluster's DNS or /etc/hosts): this file is /etc/hosts on
+  # the nodes (bound by exec).
+  { grep -v "dsrl2n-" /etc/hosts 2>/dev/null || echo "127.0.0.1 localhost"
+    echo "${ADDR[0]} ${NS[0]}"; echo "${ADDR[1]} ${NS[1]}"; } > "$root/hosts"
   trap - EXIT
   echo "${NS[0]} ${NS[1]} $VETH $VETH ${ADDR[0]} ${ADDR[1]}"
 }
@@ -87,7 +91,7 @@ start_sshd() {
   for i in 0 1; do
     mkdir -p "$d/node$i"
     ssh-keygen -q -t ed25519 -N '' -C "dsrl2n host ${NS[$i]}" -f "$d/node$i/ssh_host_ed25519_key"
-    echo "${ADDR[$i]} $(cut -d' ' -f1,2 "$d/node$i/ssh_host_ed25519_key.pub")" >> "$d/known_hosts"
+    echo "${ADDR[$i]},${NS[$i]} $(cut -d' ' -f1,2 "$d/node$i/ssh_host_ed25519_key.pub")" >> "$d/known_hosts"
     # SetEnv: an ssh session gets what exec gives CMD (sshd passes its own environment to no session).
     cat > "$d/node$i/sshd_config" <<CONF
 ListenAddress ${ADDR[$i]}:22
@@ -104,7 +108,7 @@ SetEnv GLOO_SOCKET_IFNAME=$VETH DSRL_NODE_ADDR=${ADDR[$i]}
 CONF
   done
   cat > "$d/client.d/dsrl2n.conf" <<CONF
-Host ${ADDR[0]} ${ADDR[1]}
+Host ${ADDR[0]} ${ADDR[1]} ${NS[0]} ${NS[1]}
   User root
   IdentityFile $d/id_ed25519
   IdentitiesOnly yes
@@ -122,6 +126,68 @@ CONF
   done
 }
 
+start_slurm() {
+  local name="$1" i t
+  check_name "$name"
+  local root; root="$(root_of "$name")"
+  [ -n "$root" ] || die "no namespaces '$name' (run create first)"
+  for t in munged slurmctld slurmd sinfo sbatch srun scontrol; do
+    command -v "$t" >/dev/null || die "$t not found (apt-get install slurmctld slurmd slurm-client munge)"
+  done
+  local d="$root/slurm"
+  rm -rf "$d" && mkdir -p "$d/etc" "$d/state" "$d/munge/key"
+  # munged's checks: its socket's folder searchable by all, its key private.
+  chmod 755 "$d" "$d/munge" && chmod 700 "$d/munge/key"
+  head -c 1024 /dev/urandom > "$d/munge/key/munge.key" && chmod 600 "$d/munge/key/munge.key"
+  cat > "$d/etc/slurm.conf" <<CONF
+# Two nodes, ${NS[0]} (controller too) and ${NS[1]}, root-run daemons, no accounting, no cgroups.
+ClusterName=dsrl2n
+SlurmctldHost=${NS[0]}(${ADDR[0]})
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$d/munge/socket
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation=$d/state
+SlurmctldPidFile=$d/slurmctld.pid
+SlurmctldLogFile=$d/slurmctld.log
+# On each node's own disk (ROOT/local is ROOT/nodeN there).
+SlurmdSpoolDir=$root/local/slurmd
+SlurmdPidFile=$root/local/slurmd.pid
+SlurmdLogFile=$root/local/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+ReturnToService=2
+NodeName=${NS[0]} NodeAddr=${ADDR[0]} CPUs=$(nproc)
+NodeName=${NS[1]} NodeAddr=${ADDR[1]} CPUs=$(nproc)
+PartitionName=nodes Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+CONF
+  echo "CgroupPlugin=cgroup/v1" > "$d/etc/cgroup.conf"
+  for i in 0 1; do mkdir -p "$root/node$i/slurmd"; done
+  # Each daemon through exec: /etc/slurm there is ROOT/slurm/etc; destroy kills them all.
+  "$0" exec "$name" 0 munged --key-file="$d/munge/key/munge.key" --socket="$d/munge/socket" \
+    --pid-file="$d/munge/munged.pid" --log-file="$d/munge/munged.log" --seed-file="$d/munge/key/seed" \
+    || die "munged did not start ($d/munge/munged.log)"
+  "$0" exec "$name" 0 slurmctld || die "slurmctld did not start ($d/slurmctld.log)"
+  # slurmd loads its cgroup plugin even without cgroup task or process tracking, and `ip netns
+  # exec` remounts /sys without the machine's cgroup mounts: each node gets a freezer hierarchy.
+  for i in 0 1; do
+    "$0" exec "$name" "$i" bash -c 'mount -t tmpfs dsrl2n-cgroup /sys/fs/cgroup && mkdir /sys/fs/cgroup/freezer &&
+      mount -t cgroup -o freezer dsrl2n-freezer /sys/fs/cgroup/freezer && exec slurmd -N "$1"' _ "${NS[$i]}" \
+      || die "slurmd on node $i did not start ($root/node$i/slurmd.log)"
+  done
+  for _ in $(seq 150); do
+    [ "$("$0" exec "$name" 0 sinfo -h -o '%D %T' 2>/dev/null)" = "2 idle" ] && return 0
+    sleep 0.2
+  done
+  die "the two slurmd did not register as idle within 30 s: $("$0" exec "$name" 0 sinfo 2>&1)"
+}
+
 run_on() {
   local name="$1" node="$2"; shift 2
   check_name "$name"
@@ -134,7 +200,10 @@ run_on() {
   exec ip netns exec "${NS[$node]}" env GLOO_SOCKET_IFNAME="$VETH" DSRL_NODE_ADDR="${ADDR[$node]}" \
     unshare --uts bash -c 'hostname "$1" && mount --bind "$2" "$3" &&
       { [ ! -d "$4" ] || [ ! -d /etc/ssh/ssh_config.d ] || mount --bind "$4" /etc/ssh/ssh_config.d; } &&
-      shift 4 && exec "$@"' _ "${NS[$node]}" "$root/node$node" "$root/local" "$root/ssh/client.d" "$@"
+      { [ ! -f "$5" ] || mount --bind "$5" /etc/hosts; } &&
+      { [ ! -d "$6" ] || { mkdir -p /etc/slurm && mount --bind "$6" /etc/slurm; }; } &&
+      shift 6 && exec "$@"' _ "${NS[$node]}" "$root/node$node" "$root/local" "$root/ssh/client.d" "$root/hosts" \
+      "$root/slurm/etc" "$@"
 }
 
 destroy() {
@@ -172,6 +241,7 @@ cmd="$1"; shift
 case "$cmd" in
   create) [ $# -eq 2 ] || usage; create "$@" ;;
   sshd) [ $# -eq 1 ] || usage; start_sshd "$1" ;;
+  slurm) [ $# -eq 1 ] || usage; start_slurm "$1" ;;
   exec) [ $# -ge 3 ] || usage; run_on "$@" ;;
   destroy) [ $# -eq 1 ] || usage; destroy "$1" ;;
   sweep) [ $# -eq 0 ] || usage; sweep ;;

@@ -12,10 +12,13 @@ C: the rank on node 1 SIGKILLed mid-step: node 0 stops within trainer.dist_timeo
 lost rank and its host, no process survives on either node, and C resumed from its last complete
 checkpoint equals A. D: node 1 vanishes from the network (its link down, its connections left
 open): both ranks stop after trainer.dist_timeout_s, each naming the other as the suspect.
-E: a Ray cluster across the two hosts (launch/ray_cluster.sh head / worker), a Ray-placed engine on
-each; the worker host killed: the run stops naming the engine and its host.
-F: A's launch started on node 0 alone through ssh (launch/multinode_deepspeed.sh HOSTFILE: DeepSpeed's
-runner, pdsh, an sshd on each node): the same run folder, metrics and checkpoints as A, rank 1 on node 1."""
+E: a SLURM cluster of the two hosts (slurmctld and munged on node 0, a slurmd on each) runs
+launch/slurm_example.sbatch as a user submits it: a Ray head and worker as srun steps
+(launch/ray_cluster.sh), the hostfile from scontrol, both ranks started from node 0 through ssh
+(launch/multinode_deepspeed.sh HOSTFILE: DeepSpeed's runner, pdsh, an sshd on each node), a
+Ray-placed vLLM engine on each host serving both ranks; the same run folder, metrics and
+checkpoints as A for two steps; then host 1's Ray node killed: the run stops naming the engine
+and its host, the job ends FAILED with the trainer's exit status."""
 from __future__ import annotations
 
 import importlib.util
@@ -167,26 +170,27 @@ def uninterrupted(two_nodes, tiny_model_path, tmp_path_factory):
 
 def test_two_node_zero3_launch_one_run_folder_node_local_checkpoints(two_nodes, uninterrupted):
     a, seconds, run = uninterrupted
-    _check_two_step_run(two_nodes, a, run.text(0))
+    _check_run_folder(two_nodes, a, run.text(0))
     print(f"two-node launch A (2 steps): {seconds:.1f} s")
 
 
-def _check_two_step_run(two_nodes, a: Path, out0: str) -> None:
-    """Run folder `a` (as the nodes see it) of a two-step run, node 0's output `out0`: one run
-    folder, rank 1 on node 1, both ranks' reduced metrics, each node's checkpoints its own rank's."""
+def _check_run_folder(two_nodes, a: Path, out0: str, steps=(1, 2)) -> None:
+    """Run folder `a` (as the nodes see it) of a two-node run, node 0's output `out0`: one run
+    folder, rank 1 on node 1, both ranks' reduced metrics of `steps` (the first rows), each node's
+    checkpoints of those steps its own rank's."""
     assert f"run dir: {a} | ranks: 2" in out0
     assert (f"ranks: rank 0 on host {two_nodes.hosts[0]} ({two_nodes.addrs[0]}), "
             f"rank 1 on host {two_nodes.hosts[1]} ({two_nodes.addrs[1]})") in out0, out0[-3000:]
     node0, node1 = two_nodes.on_node(0, a), two_nodes.on_node(1, a)
-    rows = E2E.metric_rows(node0)
-    assert [r["step"] for r in rows] == [1, 2]
+    rows = E2E.metric_rows(node0)[:len(steps)]
+    assert [r["step"] for r in rows] == list(steps)
     for r in rows:
         # Summed over both ranks: one microbatch each (8 of the 16 samples).
         assert r["train/microbatches"] == 2.0 and r["train/trained_fraction"] == 1.0, r
         assert r["rollout/response_length"] == 8.0
         assert r["rollout/sync_logprob_diff"] < 1e-4  # ZeRO-3's gathered weights reached both nodes' samplers
     assert not (node1 / "metrics.jsonl").exists() and (node1 / "run.rank1.log").is_file()
-    for step in (1, 2):
+    for step in steps:
         ck0, ck1 = node0 / "checkpoints" / f"step-{step:06d}", node1 / "checkpoints" / f"step-{step:06d}"
         f0 = {str(p.relative_to(ck0)) for p in ck0.rglob("*") if p.is_file()}
         f1 = {str(p.relative_to(ck1)) for p in ck1.rglob("*") if p.is_file()}
@@ -194,31 +198,6 @@ def _check_two_step_run(two_nodes, a: Path, out0: str) -> None:
         assert f1 == {"rank-1.pt", "COMPLETE.json", "deepspeed/zero_pp_rank_1_mp_rank_00_model_states.pt",
                       "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt"}, f1
         assert not any("rank_1" in f or f == "rank-1.pt" for f in f0), f0
-
-
-def test_ssh_launch_from_node_0_starts_rank_1_on_node_1(two_nodes, tiny_model_path, tmp_path):
-    """`multinode_deepspeed.sh HOSTFILE` on node 0 alone, as a user starts it: DeepSpeed's runner
-    reaches both nodes through pdsh/ssh (an sshd on each node); the run equals A's in shape."""
-    missing = [tool for tool in ("sshd", "pdsh", "ssh-keygen") if not shutil.which(tool, path=SSH_PATH)]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not found (apt-get install openssh-server pdsh; .ci/run does so as "
-                    "root): the ssh launch test skipped")
-    r = subprocess.run([str(SCRIPT_NETNS), "sshd", two_nodes.name], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    try:
-        run_dir = two_nodes.local / "ssh"
-        run = Launch(two_nodes, tmp_path / "ssh", run_dir=run_dir, ssh=True)
-        run.check_ok()
-        seconds = time.time() - run.started
-        _check_two_step_run(two_nodes, run_dir, run.text(0))
-        assert f"{two_nodes.addrs[1]}: " in run.text(0)  # node 1's ranks' output, through pdsh
-    finally:  # the sshds: no process left on the nodes for the other tests
-        for pid_file in (two_nodes.root / "ssh").glob("node*/sshd.pid"):
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-    print(f"two-node launch over ssh (2 steps): {seconds:.1f} s")
 
 
 def test_sigterm_stops_both_nodes_with_a_checkpoint_and_the_resume_equals_the_uninterrupted_run(
@@ -323,25 +302,47 @@ def test_a_vanished_host_stops_both_nodes_after_the_process_group_timeout(two_no
     print(f"host vanished: both nodes stopped {stopped:.1f} s later (trainer.dist_timeout_s={timeout_s})")
 
 
-RAY_CLUSTER = ROOT / "launch" / "ray_cluster.sh"
+SBATCH = ROOT / "launch" / "slurm_example.sbatch"
+SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
+# Processes of the cluster itself, left running by a job: SLURM's daemons, munge, the sshds' listeners.
+DAEMONS = (b"slurmd", b"slurmctld", b"slurmscriptd", b"munged", b"[listener]")
 
 
-def test_two_host_ray_cluster_engines_on_both_hosts_shared_by_both_ranks_and_a_lost_worker_named(
-        two_nodes, tiny_model_path, tmp_path):
-    """launch/ray_cluster.sh head on node 0 and worker on node 1 (each node's Ray session folder on
-    its own disk); the two-node launch (a trainer rank on each host) with two Ray-placed vLLM engines
-    (2 CPUs each: one per host), two steps in which both engines serve prompts; then host 1's Ray
-    processes are SIGKILLed (its Ray node dies): the run stops on both hosts naming the engine and
-    its host."""
-    env = subprocess_env(RAY_AUTH_MODE="disabled", DS_ACCELERATOR="cpu", HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1",
-                         RAY_TEMP_DIR=str(two_nodes.local / "ray"), RAY_NUM_CPUS="2",  # 2 per host, 2 per engine
-                         # With the suite's other worker busy on the same 2 cores, host 1's raylet missed
-                         # Ray's default 5 health checks mid-run in a clean-clone run and its node was declared
-                         # dead; 20 tolerate the load (the SIGKILL below is found through the engine's calls).
-                         RAY_health_check_failure_threshold="20")
+def _cmdline(pid: int) -> bytes:
     try:
-        _ray_cluster_run(two_nodes, env, tmp_path)
-    finally:  # the Ray head's processes on node 0 (node 1's are gone or go now)
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _job_processes(two_nodes) -> list:
+    """[pids of node 0, of node 1] other than the cluster's daemons."""
+    return [[p for p in two_nodes.pids(n) if not any(d in _cmdline(p).split(b"\0")[0] for d in DAEMONS)]
+            for n in (0, 1)]
+
+
+def test_slurm_job_ray_on_both_hosts_ssh_launch_both_ranks_and_a_lost_ray_host_named(
+        two_nodes, tiny_model_path, tmp_path):
+    """launch/slurm_example.sbatch submitted as a user does (`sbatch --nodes=2 ...` on host 0) to a
+    SLURM cluster of the two hosts (launch/netns_two_nodes.sh slurm: slurmctld and munged on host 0,
+    a slurmd on each): srun steps start a Ray head and worker (launch/ray_cluster.sh --block), the
+    job waits for both, scontrol's host names make the hostfile, and multinode_deepspeed.sh starts
+    a trainer rank on each host through pdsh/ssh (an sshd on each host); two Ray-placed vLLM engines,
+    one per host, serve both ranks. Two steps are checked (one run folder, both ranks' metrics,
+    node-local checkpoints, both engines serving); then host 1's Ray processes are SIGKILLed (its
+    Ray node dies): both ranks stop naming the engine and its host, the job ends FAILED with the
+    trainer's status, and nothing but the cluster's daemons is left on either host."""
+    missing = [tool for tool in ("sshd", "pdsh", "ssh-keygen", *SLURM_TOOLS) if not shutil.which(tool, path=SSH_PATH)]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not found (apt-get install openssh-server pdsh slurmctld slurmd "
+                    "slurm-client munge; .ci/run does so as root): the SLURM, ssh and two-host Ray test skipped")
+    try:
+        for cmd in ("sshd", "slurm"):
+            r = subprocess.run([str(SCRIPT_NETNS), cmd, two_nodes.name], capture_output=True, text=True, timeout=60,
+                               env=subprocess_env(PATH=SSH_PATH))
+            assert r.returncode == 0, (cmd, r.stderr)
+        _slurm_job(two_nodes, tmp_path)
+    finally:  # the daemons and whatever a failed job left: no process on the nodes for later tests
         for n in (0, 1):
             for pid in two_nodes.pids(n):
                 try:
@@ -351,51 +352,99 @@ def test_two_host_ray_cluster_engines_on_both_hosts_shared_by_both_ranks_and_a_l
         assert two_nodes.wait_empty(30) == [[], []]
 
 
-def _ray_cluster_run(two_nodes, env, tmp_path) -> None:
+def _slurm_job(two_nodes, tmp_path) -> None:
+    run_dir = two_nodes.local / "slurm-run"
+    job_out = two_nodes.local / "slurm-job.out"
+    env = subprocess_env(RAY_AUTH_MODE="disabled", DS_ACCELERATOR="cpu", HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1",
+                         PATH=SSH_PATH, TRAIN_NODES="2", GPUS_PER_NODE="1", RUN_DIR=str(run_dir),
+                         MASTER_PORT=str(next(_ports)),
+                         RAY_TEMP_DIR=str(two_nodes.local / "ray"), RAY_NUM_CPUS="2",  # 2 per host, 2 per engine
+                         # With the suite's other worker busy on the same 2 cores, a raylet missed Ray's default
+                         # 5 health checks mid-run in a clean-clone run; 20 tolerate the load (the SIGKILL below
+                         # is found through the engine's calls).
+                         RAY_health_check_failure_threshold="20")
+    env.pop("SLURM_CONF", None)
+    argv = ["sbatch", "--wait", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1",
+            f"--output={job_out}", SBATCH, *COMMON, "rollout.backend=vllm", "rollout.num_engines=2",
+            "rollout.cpus_per_engine=2", "rollout.timeout_s=120", "trainer.total_steps=4"]
     started = time.time()
-    for n, cmd in ((0, ["head", "--num-gpus", "0"]), (1, ["worker", two_nodes.addrs[0], "--num-gpus", "0"])):
-        # `ray start` returns once the node's processes run; they stay in the node's namespace.
-        r = subprocess.run([str(SCRIPT_NETNS), "exec", two_nodes.name, str(n), "env",
-                            f"RAY_NODE_IP={two_nodes.addrs[n]}", str(RAY_CLUSTER), *cmd],
-                           env=env, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-2000:])
-    cluster_s = time.time() - started
-    run_dir = two_nodes.local / "ray-run"
-    run = Launch(two_nodes, tmp_path / "ray", "rollout.backend=vllm", "rollout.placement=ray", "rollout.num_engines=2",
-                 "rollout.cpus_per_engine=2", f"rollout.ray_address={two_nodes.addrs[0]}:6379",
-                 "rollout.timeout_s=120", "trainer.total_steps=4", "trainer.save_every=0", "trainer.save_final=false",
-                 run_dir=run_dir)
+    log = tmp_path / "sbatch.log"
+    with open(log, "w") as f:
+        sbatch = two_nodes.popen(0, argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    out = two_nodes.on_node(0, job_out)
     metrics = two_nodes.on_node(0, run_dir) / "metrics.jsonl"
-    end = time.time() + 400
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert time.time() < end and all(p.poll() is None for p in run.procs), run.tail()
+
+    def text() -> str:
+        return out.read_text(errors="replace") if out.exists() else ""
+
+    def tail() -> str:
+        return f"--- sbatch:\n{log.read_text()[-2000:]}\n--- job output:\n{text()[-6000:]}"
+
+    # Two steps done: both nodes' step-2 checkpoints complete (metrics are logged before the save).
+    saved = [two_nodes.on_node(n, run_dir) / "checkpoints" / "step-000002" / "COMPLETE.json" for n in (0, 1)]
+    end, cluster_s = time.time() + 400, None
+    while not all(f.exists() for f in saved):
+        assert time.time() < end and sbatch.poll() is None, tail()
+        if cluster_s is None and "2 nodes up" in text():
+            cluster_s = time.time() - started
         time.sleep(0.1)
     two_steps_s = time.time() - started
-    text = run.text(0)
-    up = re.search(r"rollout engines up: engine-(\d) on ([0-9.]+) .*; engine-(\d) on ([0-9.]+) ", text)
-    assert up and {up.group(2), up.group(4)} == set(two_nodes.addrs), text[-4000:]  # one engine on each host
+    job_id = log.read_text().split()[0]
+    assert job_id.isdigit(), tail()
+
+    # Two steps: the ranks on both hosts through ssh, one run folder, an engine on each host.
+    job = text()
+    hosts = " ".join(two_nodes.hosts)
+    assert f"ray cluster at {two_nodes.addrs[0]}:6379: 2 nodes up" in job, tail()
+    assert f"trainer ranks on: {hosts} | master {two_nodes.addrs[0]}:" in job, tail()
+    assert f"{two_nodes.hosts[1]}: " in job  # rank 1's output, through pdsh from host 1
+    _check_run_folder(two_nodes, run_dir, job, steps=(1, 2))
+    up = re.search(r"rollout engines up: engine-(\d) on ([0-9.]+) .*; engine-(\d) on ([0-9.]+) ", job)
+    assert up and {up.group(2), up.group(4)} == set(two_nodes.addrs), tail()  # one engine on each host
     worker = int(up.group(1) if up.group(2) == two_nodes.addrs[1] else up.group(3))
-    for row in E2E.metric_rows(two_nodes.on_node(0, run_dir)):
+    for row in E2E.metric_rows(two_nodes.on_node(0, run_dir))[:2]:
         assert row["rollout/engine0_prompts"] > 0 and row["rollout/engine1_prompts"] > 0, row
         assert row["rollout/sync_logprob_diff"] < 1e-4  # weights pushed through the object store reached both hosts
 
-    # Host 1's Ray node dies (its raylet, its engine; the trainer rank there stays).
-    for pid in two_nodes.pids(1):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes() if Path(f"/proc/{pid}").exists() else b""
-        if b"dsrl.main" not in cmdline and b"deepspeed.launcher" not in cmdline:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    # Host 1's Ray node dies (its `ray start --block` step, raylet, workers, engine); the trainer
+    # rank there, its ssh session and slurmd stay.
+    ray_pids = [p for p in two_nodes.pids(1) if b"ray" in _cmdline(p) and b"dsrl.main" not in _cmdline(p)]
+    assert ray_pids, [_cmdline(p) for p in two_nodes.pids(1)]
+    for pid in ray_pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     killed = time.time()
-    rcs = run.wait(180)
+    try:
+        sbatch_rc = sbatch.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the SLURM job still ran 240 s after host 1's Ray node was killed:\n{tail()}")
     noticed = time.time() - killed
-    assert rcs[0] != 0 and rcs[1] != 0, run.tail()
+    job = text()
+    status = re.search(r"dsrl job (\d+): trainer exit status (\d+), run dir (\S+)", job)
+    assert status and status.group(1) == job_id and status.group(2) != "0" and status.group(3) == str(run_dir), tail()
+    assert sbatch_rc == int(status.group(2)), (sbatch_rc, tail())  # sbatch --wait: the job's exit code
     pattern = (rf"RolloutEngineError: (vLLM engine {worker} \(Ray actor 'engine-{worker}' in namespace '[^']+', node "
                rf"{re.escape(two_nodes.addrs[1])} / {re.escape(two_nodes.hosts[1])}, pid \d+\): died during \w+)")
-    named = [re.search(pattern, run.text(n)) for n in (0, 1)]
-    assert any(named), run.tail()  # the rank whose call reached the dead engine names it; the other may name the rank
-    line = next(m.group(1) for m in named if m)
-    print(f"Ray cluster on two hosts: {cluster_s:.1f} s; two trainer ranks (one per host) sharing an engine on each "
-          f"host, 2 steps: {two_steps_s:.1f} s; host 1's Ray node killed, both ranks stopped {noticed:.1f} s later: "
-          f"{line}")
+    named = re.search(pattern, job)
+    assert named, tail()
+    for _ in range(150):  # sbatch --wait returns as the job ends; its steps may still be completing
+        state = subprocess.run([str(SCRIPT_NETNS), "exec", two_nodes.name, "0", "scontrol", "show", "job", job_id],
+                               capture_output=True, text=True, timeout=60).stdout
+        if "JobState=COMPLETING" not in state:
+            break
+        time.sleep(0.2)
+    job_state = re.search(r"JobState=(\S+).*?ExitCode=(\S+)", state, re.S)
+    assert job_state and job_state.groups() == ("FAILED", f"{status.group(2)}:0"), state
+    left = [[], []]
+    for _ in range(150):  # the Ray head, the ranks, their launchers and sessions: all gone
+        left = _job_processes(two_nodes)
+        if left == [[], []]:
+            break
+        time.sleep(0.2)
+    assert left == [[], []], [[_cmdline(p) for p in pids] for pids in left]
+    print(f"SLURM job {job_id} on two hosts (Ray through srun, ranks through ssh): Ray cluster up {cluster_s:.1f} s, "
+          f"2 steps and their checkpoints {two_steps_s:.1f} s; "
+          f"host 1's Ray node killed, the job ended {noticed:.1f} s later (FAILED, exit {status.group(2)}): "
+          f"{named.group(1)}")

@@ -39,7 +39,12 @@ def test_script_parses_and_has_usage_and_strict_mode(name):
     (["ray_cluster.sh", "worker"], "worker needs the head node's address"),
     (["ray_cluster.sh", "head", "--num-gpus", "x"], "--num-gpus needs a number, got 'x'"),
     (["ray_cluster.sh", "head", "--gpus", "2"], "expected '--num-gpus N'"),
-    (["ray_cluster.sh", "submit", "10.0.0.1"], "unknown command 'submit' (head | worker | stop)"),  # not supported
+    (["ray_cluster.sh", "head", "--num-gpus"], "expected '--num-gpus N', got: --num-gpus"),
+    (["ray_cluster.sh", "worker", "10.0.0.1", "--blocking"], "expected '--num-gpus N' or '--block', got: --blocking"),
+    (["ray_cluster.sh", "wait"], "wait needs the head node's address"),
+    (["ray_cluster.sh", "wait", "10.0.0.1", "0"], "wait needs the number of nodes, got '0'"),
+    (["ray_cluster.sh", "wait", "10.0.0.1", "2", "soon"], "wait's TIMEOUT_S must be a number of seconds, got 'soon'"),
+    (["ray_cluster.sh", "submit", "10.0.0.1"], "unknown command 'submit' (head | worker | wait | stop)"),  # not supported
     (["slurm_example.sbatch"], "run this with sbatch"),
 ])
 def test_bad_arguments_fail_with_a_message(args, message):
