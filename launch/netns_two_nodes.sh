@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: launch/netns_two_nodes.sh create NAME ROOT | sshd NAME | exec NAME NODE CMD... | destroy NAME | sweep
+# Usage: launch/netns_two_nodes.sh create NAME ROOT | sshd NAME | slurm NAME | exec NAME NODE CMD... | destroy NAME | sweep
 #
 # Two "hosts" on this machine (root only): network namespaces NAME-0 and NAME-1 joined by a veth
 # pair, node 0 at 10.77.0.1/24 and node 1 at 10.77.0.2/24 (loopback up in each; nothing outside
@@ -15,9 +15,15 @@
 #                         with ROOT/ssh/id_ed25519 and checks ROOT/ssh/known_hosts: `ssh 10.77.0.2`,
 #                         pdsh -R ssh. ssh sessions run on their node as exec runs CMD (host name,
 #                         ROOT/local, GLOO_SOCKET_IFNAME, DSRL_NODE_ADDR)
+#   slurm NAME            a SLURM cluster of the two nodes (apt-get install slurmctld slurmd
+#                         slurm-client munge): munged (its own key) and slurmctld on node 0, a slurmd
+#                         on each (node names = host names, spool and logs on each node's disk),
+#                         configuration in ROOT/slurm/etc, /etc/slurm on the nodes; returns once both
+#                         nodes are idle. `exec NAME 0 sbatch --nodes=2 ...` submits a job
 #   exec NAME NODE CMD..  run CMD on node NODE (0 or 1): in its namespace, host name NAME-NODE,
 #                         ROOT/local = ROOT/nodeNODE, GLOO_SOCKET_IFNAME = its veth, DSRL_NODE_ADDR =
-#                         its address; once sshd ran, /etc/ssh/ssh_config.d = ROOT/ssh/client.d
+#                         its address, /etc/hosts naming both nodes; once sshd ran,
+#                         /etc/ssh/ssh_config.d = ROOT/ssh/client.d; once slurm ran, /etc/slurm
 #   destroy NAME          kill what still runs in the namespaces, delete them (the veth pair goes
 #                         with them); leaves ROOT to its owner. Safe to repeat.
 #   sweep                 destroy every dsrl2n-PID-* whose creator PID is gone (a crashed run's)
