@@ -21,6 +21,7 @@ checkpoints as A for two steps; then host 1's Ray node killed: the run stops nam
 and its host, the job ends FAILED with the trainer's exit status."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -315,6 +316,13 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def _kill(pids) -> None:
+    """SIGKILL each of `pids` (one already gone is no error)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _job_processes(two_nodes) -> list:
     """[pids of node 0, of node 1] other than the cluster's daemons."""
     return [[p for p in two_nodes.pids(n) if not any(d in _cmdline(p).split(b"\0")[0] for d in DAEMONS)]
@@ -343,12 +351,7 @@ def test_slurm_job_ray_on_both_hosts_ssh_launch_both_ranks_and_a_lost_ray_host_n
             assert r.returncode == 0, (cmd, r.stderr)
         _slurm_job(two_nodes, tmp_path)
     finally:  # the daemons and whatever a failed job left: no process on the nodes for later tests
-        for n in (0, 1):
-            for pid in two_nodes.pids(n):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        _kill([*two_nodes.pids(0), *two_nodes.pids(1)])
         assert two_nodes.wait_empty(30) == [[], []]
 
 
@@ -410,11 +413,7 @@ def _slurm_job(two_nodes, tmp_path) -> None:
     # rank there, its ssh session and slurmd stay.
     ray_pids = [p for p in two_nodes.pids(1) if b"ray" in _cmdline(p) and b"dsrl.main" not in _cmdline(p)]
     assert ray_pids, [_cmdline(p) for p in two_nodes.pids(1)]
-    for pid in ray_pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _kill(ray_pids)
     killed = time.time()
     try:
         sbatch_rc = sbatch.wait(timeout=240)
