@@ -89,14 +89,18 @@ def test_cookbook_supervised_loop_trains_and_evaluates(server, tmp_path):
     cfg = train.Config(log_path=str(tmp_path / "sl"), model_name=MODEL, recipe_name="dsrl_cookbook_test",
                        renderer_name=RENDERER, dataset_builder=FromConversationFileBuilder(
                            common_config=common, file_path=str(data), test_size=2),
-                       learning_rate=1e-2, lr_schedule="constant", num_epochs=2, lora_rank=4, base_url=server,
+                       learning_rate=3e-3, lr_schedule="constant", num_epochs=2, lora_rank=4, base_url=server,
                        eval_every=1, save_every=0, ttl_seconds=None)
     asyncio.run(train.main(cfg))
     rows = _metrics(tmp_path / "sl")
     losses = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
-    assert len(losses) == 4 and losses[-1] < losses[0], losses  # 8 training conversations, batch 4, 2 epochs
+    # 8 training conversations, batch 4, 2 epochs. The cookbook creates its LoRA client unseeded, so
+    # the adapter's initial A differs run to run; at 3e-3 every batch's NLL fell below the last one's
+    # in 4 of 4 runs (steps of 0.27-0.54 nats). At 1e-2, 4 of 4 ended lower, but one batch rose
+    # (10.49 -> 10.74), and in one CI run the last batch ended at 13.2 against 10.87 at the start.
+    assert len(losses) == 4 and all(b < a for a, b in zip(losses, losses[1:])), losses
     evals = [r["test/nll"] for r in rows if "test/nll" in r]  # its NLL evaluator on the 2 held out
-    assert len(evals) >= 4 and evals[-1] < evals[0], evals
+    assert len(evals) >= 4 and evals[-1] < evals[0] - 0.5, evals  # 4 of 4 runs: 0.95-1.18 nats lower
 
 
 def _rl_config(url, log_path, loss_fn):
