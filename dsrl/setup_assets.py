@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional, Union
@@ -53,6 +54,20 @@ def _cache(cache_dir: Optional[PathLike]) -> Path:
 def torch_extensions_dir(cache_dir: Optional[PathLike] = None) -> Path:
     """Fixed folder for DeepSpeed/torch JIT-compiled ops (TORCH_EXTENSIONS_DIR)."""
     return _cache(cache_dir) / "torch_extensions"
+
+
+def use_interpreter_ninja() -> None:
+    """Put this interpreter's bin folder first on PATH when it holds a `ninja`, so that every JIT
+    build of DeepSpeed's ops runs the same ninja (torch runs `ninja` from PATH). A machine's own
+    ninja (1.11 from apt) and the venv's (1.13, installed with vLLM) hash build commands
+    differently and keep logs of different versions: each time a build switches from one to the
+    other, the shm comm op is compiled again (~55 s on a free core; three times in one suite run,
+    with every other rank waiting on torch's lock). The rest of PATH keeps its order."""
+    bindir = os.path.dirname(sys.executable)
+    if not os.access(os.path.join(bindir, "ninja"), os.X_OK):
+        return
+    rest = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != bindir]
+    os.environ["PATH"] = os.pathsep.join([bindir] + rest)
 
 
 def smollm2_path(cache_dir: Optional[PathLike] = None) -> Path:
@@ -173,6 +188,7 @@ def warm_deepspeed_ops(cache_dir: Optional[PathLike] = None) -> Path:
     ext = torch_extensions_dir(cache_dir)
     ext.mkdir(parents=True, exist_ok=True)
     os.environ["TORCH_EXTENSIONS_DIR"] = str(ext)
+    use_interpreter_ninja()
     stamp = ext / _DS_WARM_STAMP
     if stamp.is_file():
         log.info("DeepSpeed ops already warm: %s", ext)
