@@ -304,11 +304,10 @@ def main_mismatch(path, tok, ids, dtypes=("float32", "bfloat16")):
 def main(argv):
     a = _args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(root, ".cache", "torch_extensions"))  # as dsrl.main
     from transformers import AutoTokenizer
 
-    from dsrl.setup_assets import smollm2_path
+    from dsrl.setup_assets import smollm2_path, use_op_cache
+    use_op_cache()  # as dsrl.main
 
     dtype = auto_dtype(a["dtype"])
     path = str(smollm2_path())

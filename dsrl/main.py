@@ -22,12 +22,10 @@ register_configs()
 
 
 def _configure_env(cache_dir: str) -> None:
-    from dsrl.setup_assets import use_interpreter_ninja
+    from dsrl.setup_assets import use_op_cache
     from dsrl.tracking.console import adopt_library_loggers
 
-    # DeepSpeed's JIT op cache lives in the project cache (warmed by set-up).
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(cache_dir, "torch_extensions"))
-    use_interpreter_ninja()  # the ninja that built that cache: another one rebuilds it
+    use_op_cache(cache_dir)  # DeepSpeed's JIT op cache, warmed by set-up
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if _has_cuda() else "cpu")
     # Libraries imported by now (DeepSpeed, transformers) print through their own handlers:
     # route them through dsrl's console filter and run.log.

@@ -56,6 +56,19 @@ def torch_extensions_dir(cache_dir: Optional[PathLike] = None) -> Path:
     return _cache(cache_dir) / "torch_extensions"
 
 
+def use_op_cache(cache_dir: Optional[PathLike] = None, force: bool = False) -> Path:
+    """Point this process (and every process it starts) at the project's JIT op cache,
+    `<cache>/torch_extensions`, built with this interpreter's ninja. An existing
+    TORCH_EXTENSIONS_DIR is kept unless `force`. Returns the folder in use."""
+    ext = torch_extensions_dir(cache_dir)
+    if force:
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(ext)
+    else:
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ext))
+    use_interpreter_ninja()  # the ninja that built that cache: another one rebuilds it
+    return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+
+
 def use_interpreter_ninja() -> None:
     """Put this interpreter's bin folder first on PATH when it holds a `ninja`, so that every JIT
     build of DeepSpeed's ops runs the same ninja (torch runs `ninja` from PATH). A machine's own
@@ -183,21 +196,43 @@ def verify_smollm2(path: PathLike, question: str = "What is 2+3?") -> str:
 # --------------------------------------------------------------------------------------------
 # DeepSpeed JIT warm-up
 # --------------------------------------------------------------------------------------------
+def ninja_version() -> str:
+    """`ninja --version` of the ninja torch will run (PATH order), or "none"."""
+    import shutil
+    import subprocess
+    exe = shutil.which("ninja")
+    if exe is None:
+        return "none"
+    return subprocess.run([exe, "--version"], capture_output=True, text=True, check=False).stdout.strip() or "none"
+
+
+def stamp_ninja(stamp: Path) -> Optional[str]:
+    """The ninja version a warm-up stamp records; None when there is no stamp or it predates
+    the record (an older set-up)."""
+    if not stamp.is_file():
+        return None
+    first = stamp.read_text().splitlines()[:1]
+    return first[0][len("ninja "):] if first and first[0].startswith("ninja ") else None
+
+
 def warm_deepspeed_ops(cache_dir: Optional[PathLike] = None) -> Path:
     """Build DeepSpeed's shm comm op once into `<cache>/torch_extensions` (CPU machines)."""
-    ext = torch_extensions_dir(cache_dir)
+    ext = use_op_cache(cache_dir, force=True)
     ext.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(ext)
-    use_interpreter_ninja()
     stamp = ext / _DS_WARM_STAMP
-    if stamp.is_file():
+    ninja = ninja_version()
+    built_by = stamp_ninja(stamp)
+    if built_by == ninja:
         log.info("DeepSpeed ops already warm: %s", ext)
         return ext
+    if stamp.is_file():  # another ninja's build log: the first job would rebuild it, so do it now
+        log.info("DeepSpeed ops were built by ninja %s, this interpreter's is %s: building again",
+                 built_by or "(unknown)", ninja)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     if torch.cuda.is_available():
         log.info("CUDA machine: the CPU shm comm op is not used; nothing to warm")
-        stamp.write_text("cuda\n")
+        stamp.write_text(f"ninja {ninja}\ncuda\n")
         return ext
     import deepspeed
     import torch.distributed as dist
@@ -220,7 +255,7 @@ def warm_deepspeed_ops(cache_dir: Optional[PathLike] = None) -> Path:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    stamp.write_text(f"warmed in {time.time() - t0:.1f}s\n")
+    stamp.write_text(f"ninja {ninja}\nwarmed in {time.time() - t0:.1f}s\n")
     log.info("DeepSpeed ops warm in %.1f s: %s", time.time() - t0, ext)
     return ext
 
@@ -292,7 +327,7 @@ def main(argv: Optional[list] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[setup_assets] %(message)s")
     cache = _cache(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(torch_extensions_dir(cache))
+    use_op_cache(cache, force=True)
     import torch
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

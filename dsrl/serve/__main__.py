@@ -24,7 +24,7 @@ def prepare(cfg_node: DictConfig, run_dir: str):
     from dsrl.config.schema import to_config
     from dsrl.errors import ConfigError
     from dsrl.serve.config import serve_errors
-    from dsrl.setup_assets import default_cache_dir, resolve_model_path, use_interpreter_ninja
+    from dsrl.setup_assets import default_cache_dir, resolve_model_path, use_op_cache
     from dsrl.validation.validate import validate
 
     cfg = to_config(cfg_node)
@@ -40,8 +40,7 @@ def prepare(cfg_node: DictConfig, run_dir: str):
     for d in decisions:
         (log.warning if d.warning else log.info)(d.line())
     cache = str(default_cache_dir())
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(cache, "torch_extensions"))
-    use_interpreter_ninja()
+    use_op_cache(cache)
     if not machine.cuda:  # DeepSpeed picks CUDA itself on a GPU machine: the service trains there
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:

@@ -11,7 +11,7 @@ from typing import Optional
 
 from dsrl.distributed.ports import free_port
 from dsrl.setup_assets import (default_cache_dir, make_tiny_model, smollm2_path,
-                               tiny_model_path, torch_extensions_dir, use_interpreter_ninja)
+                               tiny_model_path, torch_extensions_dir, use_op_cache)
 
 __all__ = ["configure_test_env", "ensure_tiny_model", "smollm2_available", "free_port", "run_job",
            "default_cache_dir", "tiny_model_path", "smollm2_path", "torch_extensions_dir"]
@@ -23,8 +23,7 @@ def configure_test_env(cache_dir: Optional[os.PathLike] = None) -> Path:
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir(cache)))
-    use_interpreter_ninja()  # inherited by every job, rank and reference-tree run the tests start
+    use_op_cache(cache)  # inherited by every job, rank and reference-tree run the tests start
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return cache
 

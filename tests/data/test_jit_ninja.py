@@ -9,7 +9,7 @@ import shutil
 import stat
 import sys
 
-from dsrl.setup_assets import use_interpreter_ninja
+from dsrl.setup_assets import ninja_version, stamp_ninja, use_interpreter_ninja, use_op_cache
 
 BINDIR = os.path.dirname(sys.executable)
 
@@ -40,3 +40,32 @@ def test_path_is_left_alone_when_the_interpreter_has_no_ninja(tmp_path, monkeypa
     monkeypatch.setenv("PATH", os.pathsep.join([other, "/usr/bin"]))
     use_interpreter_ninja()
     assert os.environ["PATH"] == os.pathsep.join([other, "/usr/bin"])
+
+
+def test_op_cache_keeps_a_chosen_folder_unless_forced(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert use_op_cache(tmp_path / "cache") == tmp_path / "mine"
+    assert use_op_cache(tmp_path / "cache", force=True) == tmp_path / "cache" / "torch_extensions"
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "cache" / "torch_extensions")
+    assert shutil.which("ninja") == os.path.join(BINDIR, "ninja")
+
+
+def test_warm_up_stamp_records_its_ninja_so_another_ninjas_build_is_redone(tmp_path):
+    stamp = tmp_path / "stamp"
+    assert stamp_ninja(stamp) is None  # no warm-up yet
+    stamp.write_text("warmed in 54.2s\n")  # a set-up from before the record: not trusted
+    assert stamp_ninja(stamp) is None
+    stamp.write_text("ninja 1.11.1\nwarmed in 54.2s\n")
+    assert stamp_ninja(stamp) == "1.11.1"
+
+
+def test_the_stamp_is_checked_against_the_ninja_torch_will_run(tmp_path, monkeypatch):
+    fake = tmp_path / "machine"
+    fake.mkdir()
+    (fake / "ninja").write_text("#!/bin/sh\necho 0.0-machine\n")
+    (fake / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(fake), "/usr/bin"]))
+    assert ninja_version() == "0.0-machine"
+    use_interpreter_ninja()
+    here = ninja_version()
+    assert here[:1].isdigit() and here != "0.0-machine", here
