@@ -140,13 +140,16 @@ def test_same_seed_same_run_and_exact_resume_through_sigkill_and_sigterm(tmp_pat
 def test_two_ranks_zero3_launch_and_resume_equals_the_uninterrupted_run(tmp_path, tiny_model_path):
     """2 ranks (deepspeed launcher, gloo), ZeRO-3. Launch A: rollouts split across ranks, identical
     parameters on every rank after each step (trainer.check_rank_sync raises otherwise), full
-    weights (gathered under ZeRO-3) pushed and probed on every rank's engine. Launch C, resumed from
-    A's step-2 checkpoint into a new run folder, reproduces A's step 3 and final weights exactly."""
+    weights (gathered under ZeRO-3) pushed and probed on every rank's sampler. Launch C, resumed from
+    A's step-2 checkpoint into a new run folder, reproduces A's step 3 and final weights exactly.
+    The samplers are the in-process HF ones (rollout.backend=hf): what is checked is the ranks'
+    training and resume, and each vLLM worker would add two processes' start-up per launch; two
+    ranks with vLLM engines sharing ZeRO-3's gathered weights run in tests/e2e/test_e2e_ray.py."""
     from dsrl.distributed.ports import free_port
 
     deepspeed = Path(sys.executable).parent / "deepspeed"
     env = job_env()
-    common = [*TINY, "actor.zero_stage=3", "actor.stage3_param_persistence_threshold=0", "trainer.total_steps=3",
+    common = [*TINY, "rollout.backend=hf", "actor.zero_stage=3", "actor.stage3_param_persistence_threshold=0", "trainer.total_steps=3",
               "trainer.save_every=2", "trainer.check_rank_sync=true", "trainer.eval_after=true"]
 
     def launch(run_dir, *extra):
