@@ -4,7 +4,9 @@ the caller's process, a bad request raised in the caller with the engine's trace
 engine still serving, a model that cannot load named before anything runs, and a child that
 outlives its parent by at most a few seconds. Kills, hangs and restarts through ResilientWorker:
 tests/rollout/test_engine_restart.py; the same tokens as vLLM's own multiprocess engine, bit for
-bit in bf16: tests/e2e/test_behaviour_kept.py (its reference tree keeps vLLM's two layers)."""
+bit in bf16: tests/e2e/test_behaviour_kept.py (its reference tree keeps vLLM's two layers). A CPU
+engine's sampler runs eagerly (nothing compiled at its first generate) and samples what the
+compiled sampler samples, bit for bit."""
 from __future__ import annotations
 
 import json
@@ -87,3 +89,35 @@ def test_one_child_no_vllm_in_the_caller_bad_requests_raised_there_and_no_orphan
     while _alive(seen["pid"]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(seen["pid"]), f"engine process {seen['pid']} outlived its parent by 30 s"
+
+
+def test_a_cpu_engine_compiles_nothing_and_samples_what_the_compiled_sampler_samples(tiny_model_path):
+    """vLLM compiles the sampler's rank count with inductor at an engine's first generate (4-5 s of
+    every engine start on CPU); dsrl's CPU engines run it eagerly (vllm_engine.eager_sampler_ops).
+    Two fresh interpreters, each with an engine in its own process: dsrl's, whose first generate
+    and prompt-logprob probe compile no frame, and one with compiling allowed again before its
+    first generate, as vLLM has it (dynamo's frame count shows the compiled path ran). The same
+    seeded requests give the same tokens and log-probs, and the probe the same values, bit for bit."""
+    def run(compiled: bool) -> dict:
+        script = textwrap.dedent(f"""
+            import json
+            import torch._dynamo
+            from torch._dynamo.utils import counters
+            from dsrl.rollout.vllm_engine import VLLMEngine
+            e = VLLMEngine({str(tiny_model_path)!r}, dtype="float32", multiprocess=False)
+            if {compiled}:  # as vLLM has it; else dsrl's own setting, untouched
+                torch._dynamo.config.disable = False
+            out = e.generate([[1, 2, 3, 4, 5, 6, 7, 8] * 4, [9, 10, 11] * 5], n=3, temperature=1.0, top_p=1.0,
+                             max_tokens=6, seeds=[3, 4])
+            print(json.dumps(dict(samples=[[(c.token_ids, c.logprobs) for c in g] for g in out],
+                                  probe=e.probe_logprobs([list(range(1, 40))]),
+                                  frames=sum(counters["frames"].values()))))
+        """)
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                           env=subprocess_env())
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    eager, compiled = run(compiled=False), run(compiled=True)
+    assert eager["frames"] == 0 and compiled["frames"] > 0, (eager["frames"], compiled["frames"])
+    assert eager["samples"] == compiled["samples"] and eager["probe"] == compiled["probe"]
