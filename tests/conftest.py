@@ -110,6 +110,37 @@ HEAVY_FIRST = (  # measured seconds per file, largest first (a full run's --dura
 )
 
 
+# ---------------------------------------------------------------------------------------------
+# The suite's wall time follows the machine's single-core speed, which differed ~2x between the
+# 2-core sessions' machines (same tests, same CPU model name): a fixed pure-Python loop, timed at the
+# start in the controller and printed at the end, says which kind of machine a reported time is from.
+_CALIBRATION = {}
+
+
+def _python_loop_seconds() -> float:
+    import time
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(1_000_000):
+            total += i * i
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def pytest_sessionstart(session):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or the only process)
+        _CALIBRATION["python_loop_s"] = _python_loop_seconds()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if "python_loop_s" in _CALIBRATION:
+        terminalreporter.write_line(
+            f"machine speed: 1e6-iteration Python loop {_CALIBRATION['python_loop_s'] * 1000:.0f} ms "
+            f"(best of 3, at the start; README \"Two workers, markers, and where the time goes\")")
+
+
 def _group(path: str) -> str:
     return next((name for name, files in SHARED_WORKER.items() if path in files), path)
 
