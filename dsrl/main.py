@@ -285,9 +285,8 @@ def _resume_point(cfg, run_dir: str, auto_keys=()):
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from dsrl.errors import ConfigError
+    from dsrl.errors import ConfigError, RunStopped  # not from dsrl.trainer: a config error exits before torch loads
     from dsrl.tracking.console import setup_console
-    from dsrl.trainer import RunStopped
 
     run_dir = HydraConfig.get().runtime.output_dir
     setup_console(run_dir, verbose=bool(OmegaConf.select(cfg, "logger.verbose", default=False)))

@@ -18,6 +18,7 @@ from dsrl.actor.nonfinite import TrainingDiverged
 from dsrl.config.schema import Config
 from dsrl.distributed.collectives import all_reduce_max
 from dsrl.distributed.ranks import global_rank, is_main_rank
+from dsrl.errors import RunStopped
 from dsrl.rollout.memory import EngineMemory, sleep_mode_wanted
 from dsrl.rollout.rewards import RewardGuard
 from dsrl.rollout.weight_sync import WeightSync
@@ -33,14 +34,6 @@ from dsrl.validation.reuse import ReuseDecision, steps_per_rollout
 log = logging.getLogger("dsrl")
 PHASES = ("rollout", "old_logprobs", "ref_logprobs", "teacher_logprobs", "critic_values", "critic_train", "train",
           "weight_sync")
-
-
-class RunStopped(Exception):
-    """A signal asked the run to stop; the state after `step` is checkpointed in `checkpoint`."""
-
-    def __init__(self, signum: int, step: int, checkpoint: str):
-        super().__init__(f"stopped by signal {signum} after step {step}; checkpoint: {checkpoint}")
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
 
 
 class Trainer:
