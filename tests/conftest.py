@@ -112,8 +112,10 @@ HEAVY_FIRST = (  # measured seconds per file, largest first (a full run's --dura
 
 # ---------------------------------------------------------------------------------------------
 # The suite's wall time follows the machine's single-core speed, which differed ~2x between the
-# 2-core sessions' machines (same tests, same CPU model name): a fixed pure-Python loop, timed at the
-# start in the controller and printed at the end, says which kind of machine a reported time is from.
+# 2-core sessions' machines (same tests, same CPU model name) and up to 3x within one session (the
+# loop below: 65, 104 and 200 ms on one idle machine within 20 minutes, 2026-12-03): a fixed
+# pure-Python loop, timed at the start in the controller and printed at the end, says how fast the
+# machine was when a reported time was taken.
 _CALIBRATION = {}
 
 
