@@ -53,8 +53,11 @@ def reference_tree(tmp_path_factory) -> Path:
 
 
 def _run_reference(tree: Path, run_dir: Path, *overrides: str) -> None:
-    """The CLI job on the reference code: its tree first on the path, the checkout's model cache."""
-    env = job_env(PYTHONPATH=str(tree), DSRL_CACHE=str(default_cache_dir()))
+    """The CLI job on the reference code: its tree first on the path, the checkout's model cache.
+    TORCHDYNAMO_DISABLE does for its engines what dsrl's CPU engines now do themselves
+    (vllm_engine.eager_sampler_ops): vLLM's sampler not compiled at the first generate, the same
+    tokens and log-probs bit for bit (tests/rollout/test_engine_host.py), seconds less per engine."""
+    env = job_env(PYTHONPATH=str(tree), DSRL_CACHE=str(default_cache_dir()), TORCHDYNAMO_DISABLE="1")
     where = subprocess.run([sys.executable, "-c", "import dsrl; print(dsrl.__file__)"], cwd=tree, env=env,
                            capture_output=True, text=True, check=True).stdout.strip()
     assert Path(where).is_relative_to(tree), f"the reference job would import {where}"
