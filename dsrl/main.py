@@ -285,7 +285,7 @@ def _resume_point(cfg, run_dir: str, auto_keys=()):
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from dsrl.errors import ConfigError, RunStopped  # not from dsrl.trainer: a config error exits before torch loads
+    from dsrl.errors import ConfigError, RunStopped  # not from dsrl.trainer: nothing of the loop loads before validation
     from dsrl.tracking.console import setup_console
 
     run_dir = HydraConfig.get().runtime.output_dir

@@ -100,9 +100,11 @@ def eager_sampler_ops() -> None:
     rank among the log-probs: an integer count) is compiled with inductor on an engine's first
     generate: 4.2-4.7 s of every CPU engine start, against 0.28 s for the whole first generate
     eager (tiny model, 2-core Xeon). The counts, tokens and log-probs are the same bit for bit
-    (tests/rollout/test_engine_host.py). The other compiled helper, `compiled_random_sample`, only
-    samples requests without a generator; dsrl's rollouts are seeded per request (random_sample).
-    dsrl compiles nothing itself, so the switch is for the whole process."""
+    (tests/rollout/test_engine_host.py). The other compiled helper, `compiled_random_sample`, samples
+    only batches of requests without a seed: the training rollouts are seeded per request
+    (random_sample, untouched); a Tinker client's unseeded sample request now draws eagerly from the
+    engine's generator, which may give other tokens than the compiled draw did (nothing claims
+    those reproduce). dsrl compiles nothing itself, so the switch is for the whole process."""
     import torch._dynamo
 
     torch._dynamo.config.disable = True
@@ -151,7 +153,7 @@ class VLLMEngine:
         # generators do not support ("CPU Generator does not use offset"). Without chunked prefill a
         # prompt that does not fit the step's token budget waits for the next step instead.
         cpu_only = {} if torch.cuda.is_available() else cpu_llm_kwargs()
-        if cpu_only:
+        if not torch.cuda.is_available():
             eager_sampler_ops()
         cuda_only = cuda_engine_kwargs(local_rank, colocated)  # this rank's GPU, sleep mode
         # actor.lora.rank > 0: the engine serves the trainer's adapter (load_adapter) on the base weights.

@@ -242,7 +242,7 @@ def test_sigterm_stops_both_nodes_a_resumed_rank_killed_is_named_and_the_checkpo
     rank1 = [pid for pid in two_nodes.pids(1) if b"dsrl.main" in Path(f"/proc/{pid}/cmdline").read_bytes()
              and b"deepspeed.launcher" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(rank1) == 1, rank1
-    os.kill(rank1[0], signal.SIGKILL)  # mid-step step + 2
+    os.kill(rank1[0], signal.SIGKILL)  # mid-step (step + 2)
     killed = time.time()
     rc0 = resumed.procs[0].wait(timeout=DIST_TIMEOUT_S + 30)
     noticed = time.time() - killed
