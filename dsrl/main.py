@@ -82,15 +82,26 @@ def run(cfg_node: DictConfig, run_dir: str) -> dict:
     run after the current step with a checkpoint (a second signal stops it at once); the rollout
     engines are stopped however the run ends (the reaper covers SIGKILL)."""
     from dsrl.distributed.reaper import Reaper
+    from dsrl.errors import RunStopped
 
     reaper = Reaper.start()
     try:
         trainer = build(cfg_node, run_dir)
+        together = False  # every rank reached the same end: the last step, or a stop all ranks agreed on
         try:
             with _stop_on_signals(trainer):
-                return trainer.fit()
+                summary = trainer.fit()
+            together = True
+            return summary
+        except RunStopped:
+            together = True
+            raise
         finally:
             trainer.worker.close()
+            if together:
+                from dsrl.actor.engine import close_distributed  # loaded by build already
+
+                close_distributed()
     finally:
         reaper.close()
 

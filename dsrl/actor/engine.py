@@ -76,6 +76,24 @@ def init_distributed(timeout_s: Optional[float] = None) -> None:
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
 
 
+def close_distributed() -> None:
+    """End the default process group in step with the other ranks, before the interpreter exits.
+
+    A process that leaves it to interpreter teardown can abort: gloo's worker threads still hold
+    work objects whose release needs the (finalising) interpreter, and the rank dies with
+    "terminate called without an active exception" (SIGABRT, exit -6) after its run succeeded,
+    which a launcher reports as a failed run. So every rank that reached the same end (the last
+    step, or a coordinated stop) waits at a barrier, which keeps rank 0, the host of the
+    rendezvous store, alive until every peer is done with it, then destroys its group. Not for
+    runs that failed: a peer may be gone, and a barrier would wait for it."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def build_ds_config(zero_stage: int, micro_batch_size: int, *, dtype: str = "float32",
                     grad_clip: float = 0.0, persistence_threshold: int = 10000,
                     node_local_storage: bool = False) -> dict:

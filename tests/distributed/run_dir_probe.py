@@ -21,7 +21,7 @@ CONF = str(Path(__file__).resolve().parents[2] / "conf")
 def main(cfg) -> None:
     import torch.distributed as dist
 
-    from dsrl.actor.engine import init_distributed
+    from dsrl.actor.engine import close_distributed, init_distributed
 
     run_dir = HydraConfig.get().runtime.output_dir
     init_distributed()
@@ -29,7 +29,7 @@ def main(cfg) -> None:
     dist.all_gather_object(names, run_dir)  # the process group works on the shared store
     rank = dist.get_rank()
     Path(run_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "run_dir": run_dir, "all": names}))
-    dist.barrier()
+    close_distributed()  # as dsrl.main ends a run: a barrier, then the group is destroyed
 
 
 if __name__ == "__main__":

@@ -73,6 +73,25 @@ class TwoNodes:
         connections stay open)."""
         subprocess.run(["ip", "-n", self.namespaces[node], "link", "set", "dev", self.ifaces[node],
                         "up" if up else "down"], check=True, timeout=30)
+        if up:  # back as it was for the module's next test, not only "up" on paper
+            self._wait_reachable()
+
+    def _wait_reachable(self, timeout_s: float = 30.0) -> None:
+        """Both veth ends report carrier, and no node keeps the FAILED neighbour entry it made
+        while the other was down (the kernel answers "No route to host" from it until it probes
+        again: a later test's first ssh to the host failed exactly so)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = [subprocess.run(["ip", "-n", ns, "-br", "link", "show", "dev", iface], capture_output=True,
+                                     text=True, timeout=30).stdout.split()[1:2]
+                      for ns, iface in zip(self.namespaces, self.ifaces)]
+            if all(state == ["UP"] for state in states):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the two nodes' links are not up again after {timeout_s:.0f} s: {states}")
+            time.sleep(0.2)
+        for ns in self.namespaces:
+            subprocess.run(["ip", "-n", ns, "neigh", "flush", "all"], check=True, timeout=30)
 
     def destroy(self) -> None:
         subprocess.run([str(SCRIPT), "destroy", self.name], capture_output=True, text=True, timeout=60)
