@@ -152,8 +152,9 @@ class VLLMEngine:
         # the sampled token and rewinds the request's generator with set_offset, which CPU torch
         # generators do not support ("CPU Generator does not use offset"). Without chunked prefill a
         # prompt that does not fit the step's token budget waits for the next step instead.
-        cpu_only = {} if torch.cuda.is_available() else cpu_llm_kwargs()
-        if not torch.cuda.is_available():
+        on_cpu = not torch.cuda.is_available()
+        cpu_only = cpu_llm_kwargs() if on_cpu else {}
+        if on_cpu:
             eager_sampler_ops()
         cuda_only = cuda_engine_kwargs(local_rank, colocated)  # this rank's GPU, sleep mode
         # actor.lora.rank > 0: the engine serves the trainer's adapter (load_adapter) on the base weights.

@@ -77,7 +77,7 @@ def test_run_closes_the_group_only_when_every_rank_reached_the_same_end(monkeypa
     import dsrl.distributed.reaper as reaper
     import dsrl.main as main
 
-    closes, trainer = [], _Trainer(end)
+    closes, reaped, trainer = [], [], _Trainer(end)
     monkeypatch.setattr(engine, "close_distributed", lambda: closes.append(trainer.worker.closed))
     monkeypatch.setattr(main, "build", lambda cfg, run_dir: trainer)
 
@@ -87,7 +87,7 @@ def test_run_closes_the_group_only_when_every_rank_reached_the_same_end(monkeypa
             return cls()
 
         def close(self):
-            pass
+            reaped.append(list(closes))  # the group (where closed) is closed before the watchdog goes
 
     monkeypatch.setattr(reaper, "Reaper", _Reaper)
     if isinstance(end, BaseException):
@@ -97,3 +97,4 @@ def test_run_closes_the_group_only_when_every_rank_reached_the_same_end(monkeypa
         assert main.run(None, "unused") == end
     assert trainer.worker.closed
     assert closes == ([True] if together else [])  # after the rollout worker stopped
+    assert reaped == [closes]  # the watchdog is stopped once, however the run ended
