@@ -36,16 +36,24 @@ _MUST_BE_UNSET = {
 def check_agent_config(cfg: Any) -> List[str]:
     r = cfg.rollout
     name = getattr(r, "env", "") or ""
-    if not name:
+    endpoint = bool(getattr(r, "agent_endpoint", False))
+    if not name and not endpoint:
+        if getattr(r, "agent", ""):
+            return [f"rollout.agent={r.agent!r} is set but rollout.agent_endpoint=false: set "
+                    f"rollout.agent_endpoint=true to train the agent through the endpoint"]
         return []
     errors: List[str] = []
-    from dsrl.agent.environments import make_env
+    mode = "rollout.agent_endpoint=true" if endpoint else f"rollout.env={name!r}"
+    if endpoint:
+        errors += _endpoint_errors(cfg, name)
+    else:
+        from dsrl.agent.environments import make_env
 
-    kwargs = dict(getattr(r, "env_kwargs", None) or {})
-    try:
-        make_env(name, kwargs)
-    except (PluginError, ImportError, ValueError) as e:
-        errors.append(str(e))
+        kwargs = dict(getattr(r, "env_kwargs", None) or {})
+        try:
+            make_env(name, kwargs)
+        except (PluginError, ImportError, ValueError) as e:
+            errors.append(str(e))
     max_turns = getattr(r, "max_turns", 0)
     budget = getattr(r, "max_episode_tokens", 0)
     if max_turns < 1:
@@ -59,33 +67,70 @@ def check_agent_config(cfg: Any) -> List[str]:
         errors.append(f"rollout.max_new_tokens={r.max_new_tokens} (per turn) exceeds rollout.max_episode_tokens={budget}")
     estimator = getattr(getattr(cfg, "algo", None), "advantage_estimator", None)
     if estimator == "gae":
-        errors.append(f"algo.advantage_estimator=gae does not apply to multi-turn episodes yet (rollout.env={name!r}): "
+        errors.append(f"algo.advantage_estimator=gae does not apply to multi-turn episodes yet ({mode}): "
                       f"its per-token recursion would run through environment tokens; use a group estimator "
                       f"(grpo, dr_grpo, rloo, ...), which takes one reward per episode")
     gamma = getattr(getattr(cfg, "algo", None), "gamma", 1.0)
     if estimator == "reinforce_pp" and gamma is not None and gamma < 1.0:
         errors.append(f"algo.gamma={gamma} < 1 with algo.advantage_estimator=reinforce_pp does not apply to "
-                      f"multi-turn episodes (rollout.env={name!r}): the discount would count environment tokens "
+                      f"multi-turn episodes ({mode}): the discount would count environment tokens "
                       f"as steps; use algo.gamma=1")
     data = getattr(cfg, "data", None)
     if data is not None and getattr(data, "chat_template", True) is False:
-        errors.append(f"data.chat_template=false: multi-turn episodes (rollout.env={name!r}) render turns through "
+        errors.append(f"data.chat_template=false: multi-turn episodes ({mode}) render turns through "
                       f"the chat template")
     if data is not None and getattr(data, "system_prompt", ""):
-        errors.append(f"data.system_prompt is not used with rollout.env={name!r}: the environment writes the first "
+        errors.append(f"data.system_prompt is not used with {mode}: the environment writes the first "
                       f"observation (e.g. rollout.env_kwargs.system_prompt for calculator)")
     for key, allowed in _UNSUPPORTED.items():
         value = _get(cfg, key)
         if value is not None and value not in allowed:
-            errors.append(f"{key}={value!r} does not apply to multi-turn episodes (rollout.env={name!r}); "
+            errors.append(f"{key}={value!r} does not apply to multi-turn episodes ({mode}); "
                           f"use {' | '.join(allowed)}")
     for key, why in _MUST_BE_OFF.items():
         if _get(cfg, key):
-            errors.append(f"{key}=true does not apply to multi-turn episodes (rollout.env={name!r}): {why}; "
+            errors.append(f"{key}=true does not apply to multi-turn episodes ({mode}): {why}; "
                           f"set {key}=false (agent/reward is the per-step episode reward)")
     for key, why in _MUST_BE_UNSET.items():
         if _get(cfg, key):
-            errors.append(f"{key}={_get(cfg, key)!r} is not used with rollout.env={name!r}: {why}")
+            errors.append(f"{key}={_get(cfg, key)!r} is not used with {mode}: {why}")
+    return errors
+
+
+def _endpoint_errors(cfg: Any, env: str) -> List[str]:
+    """rollout.agent_endpoint=true: the agent function loads, calls per episode fit the seed
+    spacing, and one optimizer step per rollout (an episode may train as several sequences, so a
+    rollout's sample count is not known in advance)."""
+    r, errors = cfg.rollout, []
+    if env:
+        errors.append(f"rollout.env={env!r} and rollout.agent_endpoint=true: choose one (the environment runs "
+                      f"in dsrl, the endpoint's agent runs its own loop)")
+    from dsrl.agent.endpoint.server import load_agent
+
+    try:
+        load_agent(getattr(r, "agent", ""))
+    except (PluginError, ImportError) as e:
+        errors.append(str(e))
+    from dsrl.agent.endpoint.book import CALL_SEED_STRIDE
+
+    if getattr(r, "max_turns", 0) > CALL_SEED_STRIDE:
+        errors.append(f"rollout.max_turns={r.max_turns} (calls per episode) must be <= {CALL_SEED_STRIDE}")
+    if getattr(r, "agent_timeout_s", 1.0) <= 0:
+        errors.append(f"rollout.agent_timeout_s={r.agent_timeout_s} must be > 0 (seconds an agent may run)")
+    if getattr(r, "agent_max_request_bytes", 1) < 1024:
+        errors.append(f"rollout.agent_max_request_bytes={r.agent_max_request_bytes} must be >= 1024")
+    if getattr(r, "temperature", 1.0) <= 0:
+        errors.append(f"rollout.temperature={r.temperature} must be > 0 with rollout.agent_endpoint=true "
+                      f"(training needs the sampled tokens' log-probs)")
+    a = getattr(cfg, "algo", None)
+    if a is not None:
+        from dsrl.validation.reuse import steps_per_rollout
+
+        if steps_per_rollout(cfg) != 1:
+            errors.append(f"algo.global_batch_size={a.global_batch_size} must equal algo.rollout_batch_size * "
+                          f"algo.n_samples_per_prompt={a.rollout_batch_size * a.n_samples_per_prompt} with "
+                          f"rollout.agent_endpoint=true: one optimizer step per rollout (an episode whose agent "
+                          f"rewrote its history trains as several sequences, so the sample count varies)")
     return errors
 
 

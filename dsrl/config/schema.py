@@ -145,6 +145,18 @@ class RolloutConfig:
     max_turns: int = 4
     # Response tokens per episode (model + environment tokens after the first observation) at most.
     max_episode_tokens: int = 256
+    # Train a black-box agent through an OpenAI-compatible endpoint (dsrl/agent/endpoint): each rank
+    # serves /v1/chat/completions and /v1/completions on loopback from its rollout engine, runs
+    # `agent` once per episode and trains the token ids and log-probs it sampled. max_turns caps
+    # the calls per episode, max_new_tokens each call, max_episode_tokens each sequence.
+    agent_endpoint: bool = False
+    # The agent: fn(base_url, episode_id, task) as `pkg.module:fn` or `path/file.py:fn`; it calls
+    # the endpoint with the `openai` client and POSTs its reward to {base_url}/episodes/{id}/reward.
+    agent: str = ""
+    # Seconds an episode's agent may run; then its episode ends (calls kept, reward 0, logged).
+    agent_timeout_s: float = 300.0
+    # Largest request body the endpoint reads (bytes); larger ones get HTTP 413.
+    agent_max_request_bytes: int = 1048576
 
 
 @dataclass

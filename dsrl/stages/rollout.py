@@ -1,5 +1,6 @@
-"""The rollout stage: this rank's prompts, generated and verified (single-turn completions or
-multi-turn episodes; with dynamic sampling in rounds), the next step's rollout in a background
+"""The rollout stage: this rank's prompts, generated and verified (single-turn completions,
+multi-turn episodes, or a black-box agent's episodes through the OpenAI-compatible endpoint; with
+dynamic sampling in rounds), the next step's rollout in a background
 thread under overlap (algo.off_policy_steps=1), and the rollout's metrics."""
 from __future__ import annotations
 
@@ -31,6 +32,28 @@ class RolloutStage:
         self.fault_counters = tuple(c for c in (worker, verifier) if isinstance(c, FaultCounter))
         # Divisibility by the world size is checked by dsrl.validation.validate before anything loads.
         self.prompts_per_rank = cfg.algo.rollout_batch_size // world_size()
+        self.endpoint = None  # rollout.agent_endpoint: this rank's OpenAI-compatible server, started on first use
+
+    def agent_endpoint(self):
+        """This rank's agent endpoint (dsrl.agent.endpoint), started on first use."""
+        if self.endpoint is None:
+            from dsrl.agent.endpoint.book import Limits
+            from dsrl.agent.endpoint.server import AgentEndpoint, load_agent
+
+            r = self.cfg.rollout
+            limits = Limits(max_new_tokens=r.max_new_tokens, max_episode_tokens=r.max_episode_tokens,
+                            max_model_len=r.max_model_len, max_calls=r.max_turns, temperature=r.temperature,
+                            top_p=r.top_p)
+            self.endpoint = AgentEndpoint(self.worker, self.tokenizer, limits=limits, agent=load_agent(r.agent),
+                                          model_name=self.cfg.model.path, timeout_s=r.agent_timeout_s,
+                                          max_request_bytes=r.agent_max_request_bytes).start()
+        return self.endpoint
+
+    def close(self) -> None:
+        """Stop the agent endpoint's server (if one started)."""
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
 
     def collect(self, step: int) -> Rollout:
         """This rank's scored rollout of `step`: the one generated in the background during the
@@ -59,6 +82,12 @@ class RolloutStage:
 
         def generate_round(sampling_round: int, count: int) -> List[Sample]:
             prompts = self.source.sample_train(count, self.state.prompt_rng)
+            if cfg.rollout.agent_endpoint:  # a black-box agent per episode, through the OpenAI-compatible endpoint
+                seeds = request_seeds(cfg.rollout.seed, step, first_prompt, len(prompts), sampling_round)
+                samples, agent_metrics = self.agent_endpoint().run_round(
+                    prompts, n=a.n_samples_per_prompt, seeds=seeds, show_progress=show_progress)
+                episodes.append((len(prompts) * a.n_samples_per_prompt, agent_metrics))
+                return samples
             if cfg.rollout.env:  # multi-turn episodes: the environment writes the prompts and gives the rewards
                 r = cfg.rollout
                 seeds = request_seeds(r.seed, step, first_prompt, len(prompts), sampling_round)
