@@ -153,7 +153,8 @@ class RolloutConfig:
     # The agent: fn(base_url, episode_id, task) as `pkg.module:fn` or `path/file.py:fn`; it calls
     # the endpoint with the `openai` client and POSTs its reward to {base_url}/episodes/{id}/reward.
     agent: str = ""
-    # Seconds an episode's agent may run; then its episode ends (calls kept, reward 0, logged).
+    # Seconds an episode's agent may go without a call (after its last reply or the round's start);
+    # then its episode ends (calls kept; reward 0 unless it posted one; logged).
     agent_timeout_s: float = 300.0
     # Largest request body the endpoint reads (bytes); larger ones get HTTP 413.
     agent_max_request_bytes: int = 1048576

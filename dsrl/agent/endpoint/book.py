@@ -15,8 +15,9 @@ Scheduling by counts, never by clocks. The round's thread runs the engine only w
 episode (agent still running, no reward yet, not timed out) has at least one call waiting; it then
 generates all waiting calls in ONE batched `worker.generate`, ordered by (episode, call number),
 with the seed `episode seed + call number`. Which calls share a batch therefore depends only on
-what the agents do, not on timing, and a run is reproducible when its agents are. A clock enters
-only through `agent_timeout_s`, which ends an agent that never calls or finishes."""
+what the agents do, not on timing, and a run is reproducible when its agents are. The round ends
+when every agent has returned. A clock enters only through `agent_timeout_s`: an agent that makes
+no call for that long after its last reply (or the round's start) is ended."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -83,9 +84,11 @@ class Call:
 
 
 class Episode:
-    def __init__(self, episode_id: str, index: int, group: int, seed: int, task: dict, deadline: float):
+    def __init__(self, episode_id: str, index: int, group: int, seed: int, task: dict, timeout_s: float,
+                 now: float):
         self.id, self.index, self.group, self.seed, self.task = episode_id, index, group, seed, task
-        self.deadline = deadline
+        self.timeout_s = float(timeout_s)
+        self.deadline = now + self.timeout_s  # moved on by each reply: the agent's idle time is what counts
         self.sequences: List[Sequence_] = []
         self.calls = 0  # calls accepted
         self.waiting = 0  # calls waiting for the engine
@@ -97,12 +100,17 @@ class Episode:
 
     @property
     def live(self) -> bool:
-        """Still expected to call: the round waits for it before running the engine."""
+        """Still expected to call: the engine waits for its call before it runs."""
         return not (self.agent_done or self.timed_out or self.reward is not None)
 
     @property
+    def running(self) -> bool:
+        """Its agent has neither returned nor timed out: the round does not end before it does."""
+        return not (self.agent_done or self.timed_out)
+
+    @property
     def finish_reason(self) -> str:
-        if self.reward is not None:
+        if self.reward is not None:  # rewarded, even if its agent hung afterwards
             return "rewarded"
         if self.timed_out:
             return "timeout"
@@ -313,26 +321,29 @@ class EpisodeBook:
 
     # ------------------------------------------------------------------ the engine side
     def next_batch(self, clock=time.monotonic) -> Optional[List[Call]]:
-        """Block until every live episode has a call waiting (episodes past their deadline are
-        ended); the waiting calls in (episode, call) order, or None when no episode is live and
-        none waits (the round is over)."""
+        """Block until every live episode has a call waiting; the waiting calls in (episode, call)
+        order. None once every agent has returned (or timed out) and no call waits: the round is
+        over. An agent with no call waiting for longer than its timeout since its last reply (or
+        the round's start) is timed out; one waiting for the engine never is."""
         with self.cond:
             while True:
                 now = clock()
                 for ep in self.episodes.values():
-                    if ep.live and now >= ep.deadline:
+                    if ep.running and not ep.waiting and now >= ep.deadline:
                         ep.timed_out = True
-                        log.warning("agent endpoint: episode %s ran past rollout.agent_timeout_s; its calls so far "
-                                    "are kept, its reward is 0", ep.id)
+                        log.warning("agent endpoint: the agent of episode %s made no call for rollout.agent_timeout_s"
+                                    "=%g s; its calls so far are kept%s", ep.id, ep.timeout_s,
+                                    "" if ep.reward is not None else ", its reward is 0")
                 live = [ep for ep in self.episodes.values() if ep.live]
                 if self.waiting and all(ep.waiting for ep in live):
                     batch = sorted(self.waiting, key=lambda c: (c.episode.index, c.number))
                     self.waiting = []
                     return batch
-                if not live and not self.waiting:
+                running = [ep for ep in self.episodes.values() if ep.running]
+                if not running and not self.waiting:
                     return None
-                deadline = min((ep.deadline for ep in live), default=now + 1.0)
-                self.cond.wait(timeout=max(deadline - now, 0.01))
+                idle = [ep.deadline for ep in running if not ep.waiting]
+                self.cond.wait(timeout=max(min(idle, default=now + 1.0) - now, 0.01))
 
     def record(self, call: Call, ids: list, logprobs: list, finish: str) -> dict:
         """Append the call's added tokens and its completion to its sequence; the reply."""
@@ -360,6 +371,7 @@ class EpisodeBook:
                 seq.last_text = seq.last_text + text
             seq.in_flight = False
             ep.waiting -= 1
+            ep.deadline = time.monotonic() + ep.timeout_s
             self.cond.notify_all()
             return {"text": text, "finish_reason": "length" if cut else finish, "prompt_tokens": len(call.prompt_ids),
                     "completion_tokens": len(ids), "token_ids": list(ids), "logprobs": list(logprobs)}

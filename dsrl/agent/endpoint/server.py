@@ -208,13 +208,14 @@ class AgentEndpoint:
         if len(seeds) != len(tasks):
             raise ValueError(f"{len(seeds)} seeds for {len(tasks)} tasks")
         self._serial += 1
-        deadline = time.monotonic() + self.timeout_s
+        now = time.monotonic()
         episodes = []
         for g, task in enumerate(tasks):
             data = task.to_dict() if hasattr(task, "to_dict") else task
             for k in range(n):
                 i = len(episodes)
-                episodes.append(Episode(f"r{self._serial}-e{i}", i, g, int(seeds[g]) + k * CALL_SEED_STRIDE, data, deadline))
+                episodes.append(Episode(f"r{self._serial}-e{i}", i, g, int(seeds[g]) + k * CALL_SEED_STRIDE, data,
+                                        self.timeout_s, now))
         self.book.open(episodes)
         threads = [threading.Thread(target=self._run_agent, args=(ep,), name=f"dsrl-agent-{ep.id}", daemon=True)
                    for ep in episodes]
