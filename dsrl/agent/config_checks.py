@@ -124,9 +124,9 @@ def _endpoint_errors(cfg: Any, env: str) -> List[str]:
                       f"(training needs the sampled tokens' log-probs)")
     a = getattr(cfg, "algo", None)
     if a is not None:
-        from dsrl.validation.reuse import steps_per_rollout
-
-        if steps_per_rollout(cfg) != 1:
+        samples = a.rollout_batch_size * a.n_samples_per_prompt
+        steps = a.num_steps_per_rollout if a.num_steps_per_rollout is not None else samples // max(a.global_batch_size, 1)
+        if steps > 1 or a.global_batch_size != samples:
             errors.append(f"algo.global_batch_size={a.global_batch_size} must equal algo.rollout_batch_size * "
                           f"algo.n_samples_per_prompt={a.rollout_batch_size * a.n_samples_per_prompt} with "
                           f"rollout.agent_endpoint=true: one optimizer step per rollout (an episode whose agent "
