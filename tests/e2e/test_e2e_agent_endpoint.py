@@ -45,12 +45,14 @@ def test_agent_endpoint_job_runs(tmp_path, tiny_model_path):
 
 
 @pytest.mark.parametrize("overrides, fragments", [
-    (["rollout.agent=no/such/agent.py:run"], ["rollout.agent='no/such/agent.py:run': no file"]),
-    (["rollout.env=calculator"], ["rollout.env='calculator' and rollout.agent_endpoint=true: choose one"]),
-    (["algo.global_batch_size=32"], ["algo.global_batch_size=32 must equal algo.rollout_batch_size * "
-                                     "algo.n_samples_per_prompt=64 with rollout.agent_endpoint=true"]),
-    (["trainer.eval_after=true", "rollout.agent_timeout_s=0"],
-     ["trainer.eval_after=true does not apply to multi-turn episodes (rollout.agent_endpoint=true)",
+    # validation collects every error of a config: one run checks them all
+    (["rollout.agent=no/such/agent.py:run", "rollout.env=calculator", "algo.global_batch_size=32",
+      "trainer.eval_after=true", "rollout.agent_timeout_s=0"],
+     ["rollout.agent='no/such/agent.py:run': no file",
+      "rollout.env='calculator' and rollout.agent_endpoint=true: choose one",
+      "algo.global_batch_size=32 must equal algo.rollout_batch_size * algo.n_samples_per_prompt=64 with "
+      "rollout.agent_endpoint=true",
+      "trainer.eval_after=true does not apply to multi-turn episodes (rollout.agent_endpoint=true)",
       "rollout.agent_timeout_s=0.0 must be > 0"]),
     (["rollout.agent_endpoint=false"], ["rollout.agent='examples/calculator_agent.py:run' is set but "
                                         "rollout.agent_endpoint=false"]),
