@@ -152,6 +152,8 @@ class RolloutConfig:
     agent_endpoint: bool = False
     # The agent: fn(base_url, episode_id, task) as `pkg.module:fn` or `path/file.py:fn`; it calls
     # the endpoint with the `openai` client and POSTs its reward to {base_url}/episodes/{id}/reward.
+    # Or `cmd: PROGRAM ARGS`: a program per episode, the task as JSON on stdin, OPENAI_BASE_URL =
+    # the episode's own base URL and DSRL_REWARD_URL in its environment.
     agent: str = ""
     # Seconds an episode's agent may go without a call (after its last reply or the round's start);
     # then its episode ends (calls kept; reward 0 unless it posted one; logged).

@@ -288,3 +288,34 @@ def test_no_completion_in_a_round_is_an_error_naming_the_agent(endpoint):
     ep, _ = endpoint(agent)
     with pytest.raises(RuntimeError, match="rollout.agent: none of the 2 episodes.*ValueError: agent bug"):
         ep.run_round(TASKS[:1], n=2, seeds=[0])
+
+
+PROGRAM = """
+import json, os, sys
+import httpx, openai
+task = json.load(sys.stdin)
+if task["answer"] == "2":
+    sys.exit("boom: this program fails on purpose")
+c = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment only
+reply = c.chat.completions.create(model="m", messages=task["messages"]).choices[0].message.content
+history = task["messages"] + [{"role": "assistant", "content": reply}, {"role": "user", "content": "again"}]
+c.chat.completions.create(model="m", messages=history)
+httpx.post(os.environ["DSRL_REWARD_URL"], json={"reward": 0.25}).raise_for_status()
+"""
+
+
+def test_a_program_agent_needs_only_openai_base_url(endpoint, tmp_path, tiny_tokenizer):
+    """`cmd: PROGRAM`: an unmodified OpenAI client program (no header, no episode id in its code)
+    trains through the episode's own base URL; a program that exits non-zero is that episode's error."""
+    script = tmp_path / "agent.py"
+    script.write_text(PROGRAM)
+    import sys
+
+    ep, worker = endpoint(load_agent(f"cmd: {sys.executable} {script}"))
+    samples, metrics = ep.run_round(TASKS, n=1, seeds=[0, CALL_SEED_STRIDE])
+    assert len(samples) == 1 and samples[0].reward == 0.25 and samples[0].extra["turns"] == 2
+    assert [t for t, m in zip(samples[0].response_ids, samples[0].extra["model_mask"]) if m] == \
+        worker.sampled[(0, 0)] + worker.sampled[(0, 1)]
+    assert metrics["agent/finish_rewarded"] == 0.5 and metrics["agent/finish_agent_error"] == 0.5
+    with pytest.raises(PluginError, match="no program 'no-such-program-xyz' on PATH"):
+        load_agent("cmd: no-such-program-xyz --flag")

@@ -6,7 +6,8 @@ weights; its LoRA adapter too):
 - POST /v1/completions       (a plain prompt string)
 - POST /v1/episodes/{id}/reward  {"reward": r}: closes the episode
 - GET  /v1/models, /healthz
-A call names its episode with the `X-Episode-Id` header or the `user` field. Refusals are typed
+A call names its episode with the `X-Episode-Id` header or the `user` field, or is made under the
+episode's own base URL {server}/episodes/{id}/v1 (the same routes; .../v1/reward for the reward). Refusals are typed
 OpenAI-style errors ({"error": {"message", "type", "param", "code"}}) with their HTTP status:
 400 bad field, 404 unknown episode, 408 timed out, 409 closed episode / reward twice, 413 over a
 limit (body bytes, max_tokens, context), 429 over rollout.max_turns calls; the run goes on.
@@ -14,7 +15,9 @@ limit (body bytes, max_tokens, context), 429 over rollout.max_turns calls; the r
 A rollout round opens one episode per (prompt, sample), runs the agent function (`rollout.agent`,
 `fn(base_url, episode_id, task)`, task = the prompt as plain data) for each in its own thread, and
 drives the engine from the round's thread by counts (dsrl.agent.endpoint.book). The agent needs
-no dsrl import: it is any code that speaks the OpenAI API."""
+no dsrl import: it is any code that speaks the OpenAI API; `rollout.agent="cmd: PROGRAM ARGS"` runs
+a program per episode instead, with OPENAI_BASE_URL set to the episode's own base URL
+(CommandAgent)."""
 from __future__ import annotations
 
 import asyncio
@@ -40,10 +43,46 @@ log = logging.getLogger("dsrl")
 AGENT_KEY = "rollout.agent"
 
 
+class CommandAgent:
+    """An agent that is a program (`rollout.agent="cmd: PROGRAM ARGS"`), run once per episode: the
+    task as JSON on its stdin; in its environment OPENAI_BASE_URL (the episode's own base URL,
+    {server}/episodes/{id}/v1, so any OpenAI client works unchanged), OPENAI_API_KEY, DSRL_EPISODE_ID
+    and DSRL_REWARD_URL ({OPENAI_BASE_URL}/reward, where it POSTs {"reward": r}). A non-zero exit
+    is the agent's error (its stderr's last lines in the message)."""
+
+    def __init__(self, command: str):
+        import shlex
+
+        self.argv = shlex.split(command)
+        if not self.argv:
+            raise PluginError(f"{AGENT_KEY}='cmd:': no program given")
+
+    def __call__(self, base_url: str, episode_id: str, task: dict) -> None:
+        import subprocess
+
+        root = base_url[:-len("/v1")] if base_url.endswith("/v1") else base_url
+        scoped = f"{root}/episodes/{episode_id}/v1"
+        env = dict(os.environ, OPENAI_BASE_URL=scoped, OPENAI_API_KEY="dsrl", DSRL_EPISODE_ID=episode_id,
+                   DSRL_REWARD_URL=f"{scoped}/reward")
+        r = subprocess.run(self.argv, input=json.dumps(task), capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            tail = " | ".join(r.stderr.strip().splitlines()[-3:])
+            raise RuntimeError(f"{' '.join(self.argv)} exited with {r.returncode}: {tail}")
+
+
 def load_agent(path: str) -> Callable:
-    """`pkg.module:fn`, `pkg.module.fn` or `path/to/file.py:fn` (relative to the working directory)."""
+    """`pkg.module:fn`, `pkg.module.fn`, `path/to/file.py:fn` (relative to the working directory), or
+    `cmd: PROGRAM ARGS` (a program run per episode: CommandAgent)."""
     if not path:
-        raise PluginError(f"{AGENT_KEY} is empty: name the agent function (pkg.module:fn or file.py:fn)")
+        raise PluginError(f"{AGENT_KEY} is empty: name the agent function (pkg.module:fn or file.py:fn) "
+                          f"or program (cmd: PROGRAM ARGS)")
+    if path.startswith("cmd:"):
+        agent = CommandAgent(path[len("cmd:"):])
+        import shutil
+
+        if shutil.which(agent.argv[0]) is None:
+            raise PluginError(f"{AGENT_KEY}={path!r}: no program {agent.argv[0]!r} on PATH")
+        return agent
     file, sep, attr = path.rpartition(":")
     if sep and file.endswith(".py"):
         if not os.path.isfile(file):
@@ -89,15 +128,15 @@ def build_app(endpoint: "AgentEndpoint") -> FastAPI:
             raise EndpointError(400, "invalid_json", "body must be a JSON object")
         return body
 
-    def episode_of(request: Request, body: dict) -> Optional[str]:
-        eid = request.headers.get("x-episode-id") or body.get("user")
+    def episode_of(request: Request, body: dict, scoped: Optional[str]) -> Optional[str]:
+        eid = scoped or request.headers.get("x-episode-id") or body.get("user")
         return eid if isinstance(eid, str) else None
 
-    async def serve(request: Request, chat: bool):
-        eid = None
+    async def serve(request: Request, chat: bool, scoped: Optional[str] = None):
+        eid = scoped
         try:
             body = await body_of(request)
-            eid = episode_of(request, body)
+            eid = episode_of(request, body, scoped)
             call = book.submit_chat(eid, body) if chat else book.submit_completion(eid, body)
             out = await asyncio.wrap_future(call.future)
         except EndpointError as e:
@@ -112,6 +151,20 @@ def build_app(endpoint: "AgentEndpoint") -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await serve(request, chat=False)
+
+    # The same routes under an episode's own base URL ({base}/episodes/{id}/v1): an unmodified
+    # program that reads OPENAI_BASE_URL needs no header (command agents get this URL).
+    @app.post("/episodes/{episode_id}/v1/chat/completions")
+    async def scoped_chat_completions(episode_id: str, request: Request):
+        return await serve(request, chat=True, scoped=episode_id)
+
+    @app.post("/episodes/{episode_id}/v1/completions")
+    async def scoped_completions(episode_id: str, request: Request):
+        return await serve(request, chat=False, scoped=episode_id)
+
+    @app.post("/episodes/{episode_id}/v1/reward")
+    async def scoped_reward(episode_id: str, request: Request):
+        return await reward(episode_id, request)
 
     @app.post("/v1/episodes/{episode_id}/reward")
     async def reward(episode_id: str, request: Request):
