@@ -60,12 +60,12 @@ def ratio_run(block: int, blocks: int, overlap_threads: int, overrides: list) ->
                 counted = i > 0
                 if counted:
                     rows[off].append((m["timing/step"], m["timing/rollout"], m["timing/train"],
-                                      m["timing/generation"], m["reward/mean"]))
+                                      m["timing/generation"], m["reward/mean"], m["timing/weight_sync"]))
                 print(f"step {step:2d} off_policy_steps={off} {'' if counted else '(transition) '}"
                       f"step={m['timing/step']:.2f}s blocked-on-rollout={m['timing/rollout']:.2f}s "
                       f"train={m['timing/train']:.2f}s generation={m['timing/generation']:.2f}s "
                       f"staleness={m['rollout/staleness']:.0f} reward={m['reward/mean']:.3f}", flush=True)
-        trainer.next_rollout.wait()
+        trainer.state.next_rollout.wait()
     finally:
         trainer.worker.close()
 
@@ -78,7 +78,20 @@ def ratio_run(block: int, blocks: int, overlap_threads: int, overrides: list) ->
     for off, name in ((0, "synchronous   "), (1, "overlap (1 off)")):
         print(f"{name}: step {med(off, 0):.2f}s (blocked on rollout {med(off, 1):.2f}s, train {med(off, 2):.2f}s, "
               f"generation {med(off, 3):.2f}s)")
-    print(f"ratio step time, overlap/synchronous: {med(1, 0) / med(0, 0):.3f}")
+    measured = med(1, 0) / med(0, 0)
+    print(f"ratio step time, overlap/synchronous: {measured:.3f}")
+    # The timeline simulator's one-step model (bench/async_timeline.py) fed with the synchronous
+    # steps' measured phases: what it predicts on separate devices (contention 1) and on shared cores
+    # with both sides compute-bound (contention 2), beside the measured ratio.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from async_timeline import _overlapped
+
+    gen, train, push = med(0, 3), med(0, 2), med(0, 5)
+    rest = max(med(0, 0) - gen - train - push, 0.0)  # scoring, rewards, metrics: serial in both modes
+    for c in (1.0, 2.0):
+        predicted = (_overlapped(gen, train, c) + push + rest) / (gen + train + push + rest)
+        print(f"async_timeline one_step, contention {c:g}: predicted ratio {predicted:.3f} (measured {measured:.3f}; "
+              f"generation {gen:.2f}s, train {train:.2f}s, push {push:.2f}s, other {rest:.2f}s)")
     return 0
 
 

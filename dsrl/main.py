@@ -97,8 +97,7 @@ def run(cfg_node: DictConfig, run_dir: str) -> dict:
             together = True
             raise
         finally:
-            trainer.rollout.close()  # the agent endpoint's server, if one runs
-            trainer.worker.close()
+            trainer.close()  # the rollout side: the agent endpoint's server (if one runs), the engines
             if together:
                 from dsrl.actor.engine import close_distributed  # loaded by build already
 

@@ -202,6 +202,11 @@ class Trainer:
         metrics.update(scored.reuse_metrics)
         return metrics
 
+    def close(self) -> None:
+        """Stop the rollout side: the agent endpoint's server (if one started), then the engines."""
+        self.rollout.close()
+        self.worker.close()
+
     def evaluate(self) -> dict:
         return evaluate(self.cfg, source=self.source, worker=self.worker, verifier=self.eval_verifier,
                         prompt_ids_fn=self.prompt_ids, memory=self.memory)

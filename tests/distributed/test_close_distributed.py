@@ -60,6 +60,9 @@ class _Trainer:
     def __init__(self, end):
         self.end, self.worker = end, _Worker()
 
+    def close(self):  # Trainer.close: the rollout side (agent endpoint, worker)
+        self.worker.close()
+
     def fit(self):
         if isinstance(self.end, BaseException):
             raise self.end
