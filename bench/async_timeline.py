@@ -212,11 +212,13 @@ def run_async(w: Workload, steps: int, k: int, seed: int = 0, drop_stale: bool =
 
 # --------------------------------------------------------------------------- presets
 PRESETS: Dict[str, dict] = {
-    # This machine's default job (SmolLM2-135M, 8 prompts x 8 samples, <= 16 new tokens, bf16, 2 cores):
-    # figures from README "What the default job does" / bench-ceiling (rollout ~4.5 s for 64 x ~14 tokens
-    # on one vLLM-CPU engine holding all 64; update ~5 s; push ~0.2 s); unpinned, the two compete (2.0).
-    "cpu2": dict(batch=64, engines=1, slots=64, decode_s=0.30, decode_s_per_seq=0.0, train_s=1.0,
-                 train_s_per_token=4.0 / 900, sync_s=0.2, mean_len=14, sigma=0.4, max_len=16, contention=2.0),
+    # This machine's default job (SmolLM2-135M, 8 prompts x 8 samples, <= 16 new tokens, bf16, 2 cores),
+    # from `make bench-overlap` on an AMD EPYC, 2026-12-04 (synchronous steps): generation 1.85 s on one
+    # vLLM-CPU engine holding all 64 (16 decode steps: 0.115 s each), update 4.38 s (~1 s fixed + per
+    # token), push 0.78 s. Unpinned, the overlapped phases stretched by ~3.8x (generation 1.85 -> 7.01 s),
+    # far beyond fair sharing (2): contention 3.8 reproduces the measured overlap/sync ratio of 1.48.
+    "cpu2": dict(batch=64, engines=1, slots=64, decode_s=0.115, decode_s_per_seq=0.0, train_s=1.0,
+                 train_s_per_token=3.38 / 900, sync_s=0.78, mean_len=14, sigma=0.4, max_len=16, contention=3.8),
     # An 8-GPU node: 4 engines + 4 trainer GPUs, a 7B math model, 512 samples per step, responses of mean
     # 4K tokens and 28K at most (the shape of verl's DAPO fully_async setup, docs/advance/fully_async.md).
     # Update: verl's colocated breakdown at 128 GPUs (old_log_prob 53.9 s + update 113.8 s for 512 x 16
