@@ -3,25 +3,13 @@ validation, the vLLM worker process, the DeepSpeed engine, the endpoint's HTTP s
 examples/calculator_agent.py calling it through the real `openai` client), shortened; and the
 endpoint's config errors, raised before any model loads and naming the key."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-from dsrl.testing import subprocess_env
-
-ROOT = Path(__file__).parents[2]
-SHORT = ["trainer.total_steps=2", "algo.rollout_batch_size=2", "algo.n_samples_per_prompt=4",
-         "algo.global_batch_size=8", "rollout.max_new_tokens=8", "rollout.max_episode_tokens=64",
-         "model.dtype=float32", "rollout.dtype=float32",
-         "algo.entropy_coef=0.01"]  # rewards of a random model are all 0: the entropy term makes every sample train
+from agent_e2e_kit import SHORT, assert_config_errors_before_loading, run_exp
 
 
 def _run(args, timeout):
-    env = subprocess_env(RAY_AUTH_MODE="disabled", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "dsrl.main", "+exp=agent_endpoint", *args], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=timeout)
+    return run_exp("agent_endpoint", args, timeout)
 
 
 @pytest.mark.slow
@@ -58,10 +46,4 @@ def test_agent_endpoint_job_runs(tmp_path, tiny_model_path):
                                         "rollout.agent_endpoint=false"]),
 ])
 def test_config_errors_fail_before_any_model_loads(tmp_path, overrides, fragments):
-    """Exit code 2 with every error named; the model path does not even exist (nothing loaded)."""
-    r = _run([*overrides, f"model.path={tmp_path / 'no_model_here'}", f"hydra.run.dir={tmp_path / 'run'}"],
-             timeout=300)
-    assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
-    for fragment in fragments:
-        assert fragment in r.stderr, r.stderr[-3000:]
-    assert "Loading weights" not in r.stdout + r.stderr
+    assert_config_errors_before_loading("agent_endpoint", tmp_path, overrides, fragments)

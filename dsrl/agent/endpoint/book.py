@@ -96,7 +96,6 @@ class Episode:
         self.agent_done = False  # the agent function returned or raised
         self.agent_error: Optional[str] = None
         self.timed_out = False
-        self.refused = 0  # requests answered with an error
 
     @property
     def live(self) -> bool:
@@ -198,12 +197,9 @@ class EpisodeBook:
                                 f"rollout.agent_timeout_s")
         return ep
 
-    def refuse(self, episode_id: Optional[str]) -> None:
+    def refuse(self) -> None:
         with self.cond:
             self.refused += 1
-            ep = self.episodes.get(episode_id or "")
-            if ep is not None:
-                ep.refused += 1
 
     # ------------------------------------------------------------------ requests
     def set_reward(self, episode_id: str, reward: Any) -> float:

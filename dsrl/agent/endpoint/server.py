@@ -140,7 +140,7 @@ def build_app(endpoint: "AgentEndpoint") -> FastAPI:
             call = book.submit_chat(eid, body) if chat else book.submit_completion(eid, body)
             out = await asyncio.wrap_future(call.future)
         except EndpointError as e:
-            book.refuse(eid)
+            book.refuse()
             return _reply(e)
         return endpoint.openai_reply(out, chat=chat, with_logprobs=bool(body.get("logprobs")), episode_id=eid)
 
@@ -174,7 +174,7 @@ def build_app(endpoint: "AgentEndpoint") -> FastAPI:
                 raise EndpointError(400, "invalid_reward", "the body needs a 'reward' field", param="reward")
             value = book.set_reward(episode_id, body["reward"])
         except EndpointError as e:
-            book.refuse(episode_id)
+            book.refuse()
             return _reply(e)
         return {"episode": episode_id, "reward": value, "status": "closed"}
 
