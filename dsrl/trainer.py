@@ -17,8 +17,9 @@ from dsrl.checkpoint import (config_record, load_rank_state, read_shared_state, 
 from dsrl.actor.nonfinite import TrainingDiverged
 from dsrl.config.schema import Config
 from dsrl.distributed.collectives import all_reduce_max
-from dsrl.distributed.ranks import global_rank, is_main_rank
+from dsrl.distributed.ranks import global_rank, is_main_rank, world_size
 from dsrl.errors import RunStopped
+from dsrl.rollout.async_buffer import AsyncBuffer
 from dsrl.rollout.memory import EngineMemory, sleep_mode_wanted
 from dsrl.rollout.rewards import RewardGuard
 from dsrl.rollout.weight_sync import WeightSync
@@ -30,10 +31,20 @@ from dsrl.stages.scoring import ScoringPasses
 from dsrl.stages.state import LoopState
 from dsrl.tracking import MetricsLogger, PhaseTimer, plot_run
 from dsrl.validation.reuse import ReuseDecision, steps_per_rollout
+from dsrl.validation.validate import async_mode
 
 log = logging.getLogger("dsrl")
 PHASES = ("rollout", "old_logprobs", "ref_logprobs", "teacher_logprobs", "critic_values", "critic_train", "train",
           "weight_sync")
+
+
+def async_buffer_for(cfg: Config):
+    """algo.async_schedule clock | deterministic: this rank's empty asynchronous buffer; else None."""
+    if async_mode(cfg) not in ("clock", "deterministic"):
+        return None
+    return AsyncBuffer(groups_per_batch=cfg.algo.rollout_batch_size // world_size(), n=cfg.algo.n_samples_per_prompt,
+                       k=cfg.algo.off_policy_steps, total_batches=cfg.trainer.total_steps,
+                       drop_stale=cfg.algo.stale_groups == "drop")
 
 
 class Trainer:
@@ -48,7 +59,8 @@ class Trainer:
         # The greedy eval's verifier (reward.eval_fn); None: the training reward's.
         self.eval_verifier = (RewardGuard.wrap(eval_verifier, cfg.reward.timeout_s, cfg.reward.concurrency)
                               if eval_verifier is not None else self.verifier)
-        self.state = LoopState.fresh(seed=cfg.data.seed, rank=global_rank(), max_skipped_steps=cfg.trainer.max_skipped_steps)
+        self.state = LoopState.fresh(seed=cfg.data.seed, rank=global_rank(), max_skipped_steps=cfg.trainer.max_skipped_steps,
+                                     async_buffer=async_buffer_for(cfg))
         self.algo = dataclasses.asdict(cfg.algo)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.logger = MetricsLogger.from_config(run_dir, cfg)  # jsonl + TensorBoard (+ W&B)
@@ -95,7 +107,7 @@ class Trainer:
             saved = self.save(step) if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 else None
             if all_reduce_max(self.stop_signal or 0):  # a signal reached some rank: stop together
                 raise RunStopped(int(all_reduce_max(self.stop_signal or 0)), step, saved or self.save(step))
-        self.state.next_rollout.wait()  # no generation in flight beside the greedy eval (the last step starts none)
+        self.rollout.finish()  # no generation in flight beside the greedy eval (the last step starts none)
         if cfg.trainer.eval_after:
             summary.update({f"{k}_after": v for k, v in self.evaluate().items()})
             say("greedy accuracy after training: %.3f", summary["eval/accuracy_after"])
@@ -143,6 +155,7 @@ class Trainer:
         self.logger.restore(shared["metrics"], step=self.start_step, wandb_run_id=shared.get("wandb_run_id"))
         restore_rng(state["rng"])
         self.state.load_state_dict(state["trainer"])  # a field an older checkpoint lacks keeps its fresh value
+        self.rollout.restored(self.start_step)
         self.weight_sync.push(self.start_step, scheduled=False)  # checked, not counted: the uninterrupted run made no such push
         self.state.weights_step = self.start_step
         if is_main_rank():
@@ -156,18 +169,19 @@ class Trainer:
         # was generated during the previous step, and the next step's starts now, beside training.
         with self.timer.phase("rollout"), self.memory.for_rollout():
             rollout = self.rollout.collect(step)
-        if self.cfg.algo.off_policy_steps and step < self.cfg.trainer.total_steps:
+        if self.rollout.mode == "overlap" and step < self.cfg.trainer.total_steps:
             self.rollout.start_next(step + 1)
         # Scoring passes, advantages, optimizer step(s); a colocated CUDA engine sleeps meanwhile.
         with self.memory.for_training():
             metrics = self.train_on(rollout.samples, step)
         # Weight push, verified on the next step's samples (under overlap rollout/logprob_diff also
         # holds one step of policy change); never while a generation is in flight (vLLM must not
-        # load weights mid-generation): time spent waiting for it counts as rollout.
+        # load weights mid-generation): time spent waiting for it counts as rollout. Asynchronous
+        # schedules load it between two generation chunks.
         with self.timer.phase("rollout"):
             self.state.next_rollout.wait()
         with self.timer.phase("weight_sync"):
-            metrics.update(self.weight_sync.push(step))
+            metrics.update(self.rollout.push(step, lambda: self.weight_sync.push(step)))
         self.state.weights_step = step
         rollout_metrics = self.rollout.metrics(step, rollout)
         metrics.update(self.timer.pop())

@@ -87,6 +87,8 @@ class RolloutConfig:
     top_p: float = 1.0
     # Maximum new tokens per completion.
     max_new_tokens: int = 16
+    # algo.async_schedule=clock|deterministic: tokens per generation chunk (weights load between chunks).
+    chunk_tokens: int = 8
     # vLLM weights/compute dtype: auto | float32 | bfloat16. auto: bf16 where native (see model.dtype);
     # native bf16 halves CPU generation time, emulated bf16 makes it ~5x slower.
     dtype: str = "auto"
@@ -230,9 +232,18 @@ class AlgoConfig:
     # Dynamic sampling: at most this many generations per step (>= 1); when hit, the step trains
     # on the informative groups it has (logged: rollout/sampling_rounds, rollout/kept_groups).
     max_sampling_rounds: int = 4
-    # 0: synchronous loop. 1: the next step's rollout is generated while this step trains, with
-    # weights one step stale (needs use_rollout_logprobs or use_tis; dsrl/rollout/overlap.py).
+    # 0: synchronous loop. k >= 1: generation runs beside training and a trained sample is at most
+    # k policy versions old (needs use_rollout_logprobs or use_tis); how: async_schedule.
     off_policy_steps: int = 0
+    # k >= 1: auto | overlap | clock | deterministic. overlap (k = 1 only): the next step's whole
+    # rollout in a background thread with fixed weights (dsrl/rollout/overlap.py). clock: chunked
+    # generation, pushes load between chunks as soon as the trainer has them (dsrl/rollout/async_buffer.py).
+    # deterministic: as clock, but version v loads when batch v + k closes (one seed, one run).
+    # auto: overlap for k = 1, clock for k >= 2.
+    async_schedule: str = "auto"
+    # clock | deterministic: a group whose oldest token is more than off_policy_steps versions behind
+    # the step that trains it is dropped (drop, counted: async/dropped_groups) or trained (keep).
+    stale_groups: str = "drop"
     # Keep a frozen copy of the actor as the old policy (breaks reuse).
     keep_old_actor: bool = False
     # On-policy distillation against a teacher (breaks reuse).

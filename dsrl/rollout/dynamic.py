@@ -47,6 +47,7 @@ class Rollout:
     seconds: float = 0.0  # wall time of the generation and scoring
     fault_counts: dict = field(default_factory=dict)  # this rank's fault counters of the rollout (not reduced)
     source_metrics: dict = field(default_factory=dict)  # the prompt source's metrics after its draws
+    async_counts: dict = field(default_factory=dict)  # algo.async_schedule clock|deterministic: local sums
 
 
 def is_informative(rewards: Sequence[float]) -> bool:

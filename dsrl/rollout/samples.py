@@ -25,14 +25,17 @@ def generate_samples(worker, prompt_ids: Sequence[Sequence[int]], prompts: Seque
             calls.append((c.text, prompt, f"prompt {g} (sample {index})"))
             samples.append(Sample(prompt_ids=list(pids), response_ids=c.token_ids, rollout_log_probs=c.logprobs,
                                   group=g, index=index, finish_reason=c.finish_reason, text=c.text))
-    # All of the step's rewards at once: a RewardGuard keeps reward.concurrency calls in flight.
-    if isinstance(verifier, RewardGuard):
-        rewards = verifier.score_many(calls)
-    else:
-        rewards = [float(verifier(text, prompt)) for text, prompt, _ in calls]
-    for s, r in zip(samples, rewards):
+    for s, r in zip(samples, score_calls(verifier, calls)):
         s.reward = r
     return samples
+
+
+def score_calls(verifier: Callable, calls: Sequence[tuple]) -> List[float]:
+    """Rewards of (text, prompt, label) calls, all at once: a RewardGuard keeps reward.concurrency
+    calls in flight (and names the label of a call that fails)."""
+    if isinstance(verifier, RewardGuard):
+        return verifier.score_many(calls)
+    return [float(verifier(text, prompt)) for text, prompt, _ in calls]
 
 
 def pack_microbatches(samples: Sequence[Sample], micro_batch_size: int, pad_id: int,

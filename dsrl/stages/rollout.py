@@ -1,7 +1,8 @@
 """The rollout stage: this rank's prompts, generated and verified (single-turn completions,
 multi-turn episodes, or a black-box agent's episodes through the OpenAI-compatible endpoint; with
-dynamic sampling in rounds), the next step's rollout in a background
-thread under overlap (algo.off_policy_steps=1), and the rollout's metrics."""
+dynamic sampling in rounds), the next step's rollout in a background thread under overlap
+(algo.off_policy_steps=1), or asynchronous chunked generation with a staleness bound
+(algo.async_schedule clock|deterministic: dsrl.rollout.async_buffer), and the rollout's metrics."""
 from __future__ import annotations
 
 import functools
@@ -16,9 +17,11 @@ from dsrl.distributed.collectives import all_reduce_max, all_reduce_sum
 from dsrl.distributed.ranks import global_rank, is_main_rank, world_size
 from dsrl.rollout.dynamic import Rollout, collect_rollout
 from dsrl.rollout.faults import FaultCounter, fault_metrics, pop_counts
-from dsrl.rollout.samples import generate_samples
+from dsrl.rollout.async_buffer import AsyncGenerator, batch_samples
+from dsrl.rollout.samples import generate_samples, score_calls
 from dsrl.rollout.seeds import request_seeds
 from dsrl.stages.state import LoopState
+from dsrl.validation.validate import async_mode
 
 log = logging.getLogger("dsrl")
 
@@ -33,6 +36,23 @@ class RolloutStage:
         # Divisibility by the world size is checked by dsrl.validation.validate before anything loads.
         self.prompts_per_rank = cfg.algo.rollout_batch_size // world_size()
         self.endpoint = None  # rollout.agent_endpoint: this rank's OpenAI-compatible server, started on first use
+        self.mode = async_mode(cfg)  # sync | overlap | clock | deterministic
+        # clock | deterministic: the generator thread over the loop state's buffer (started at the
+        # first collect, after a restore has loaded the buffer).
+        self.generator = None
+        if state.async_buffer is not None:
+            r = cfg.rollout
+            self.generator = AsyncGenerator(
+                state.async_buffer, worker=worker, draw_prompt=lambda: source.sample_train(1, state.prompt_rng)[0],
+                prompt_ids_fn=prompt_ids_fn, score=self._score_group,
+                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), prompt_rng=state.prompt_rng,
+                deterministic=self.mode == "deterministic", chunk_tokens=r.chunk_tokens, max_tokens=r.max_new_tokens,
+                temperature=r.temperature, top_p=r.top_p, seed=r.seed, rank=global_rank(),
+                max_model_len=r.max_model_len)
+
+    def _score_group(self, texts, prompt, group) -> list:
+        return score_calls(self.verifier, [(t, prompt, f"group {group.index} (sample {j})")
+                                           for j, t in enumerate(texts)])
 
     def agent_endpoint(self):
         """This rank's agent endpoint (dsrl.agent.endpoint), started on first use."""
@@ -50,14 +70,41 @@ class RolloutStage:
         return self.endpoint
 
     def close(self) -> None:
-        """Stop the agent endpoint's server (if one started)."""
+        """Stop the asynchronous generator and the agent endpoint's server (those that started)."""
+        self.finish()
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None
 
+    def finish(self) -> None:
+        """No generation in flight from here on (before the greedy eval, at the end of a run)."""
+        self.state.next_rollout.wait()
+        if self.generator is not None:
+            self.generator.stop()
+
+    def restored(self, step: int) -> None:
+        """After the loop state of the checkpoint of `step` is loaded: the asynchronous generator
+        continues from the buffer's snapshot of that step's push (its prompt stream position included)."""
+        if self.generator is not None:
+            b = self.generator.buffer
+            if b.taken != step or b.version != step:
+                raise RuntimeError(f"the checkpoint of step {step} holds the asynchronous buffer of step {b.taken}'s "
+                                   f"push (weights of step {b.version}): it cannot be resumed exactly")
+            self.generator.restore_prompt_rng()
+
+    def push(self, step: int, push_fn) -> dict:
+        """Run the weight push `push_fn` (its metrics): asynchronous schedules load it between two
+        generation chunks (deterministic: when the generator asks for step `step`'s weights)."""
+        if self.generator is None:
+            return push_fn()
+        return self.generator.push(step, push_fn)
+
     def collect(self, step: int) -> Rollout:
         """This rank's scored rollout of `step`: the one generated in the background during the
-        previous step (algo.off_policy_steps=1; or restored from a checkpoint), else generated now."""
+        previous step (algo.off_policy_steps=1; or restored from a checkpoint), step `step`'s batch
+        of the asynchronous buffer (clock | deterministic), else generated now."""
+        if self.generator is not None:
+            return self._async_batch(step)
         held = self.state.next_rollout
         if held.holds(step):
             return held.take(step)
@@ -114,6 +161,53 @@ class RolloutStage:
         out.source_metrics.update(mean_episode_metrics(episodes))  # agent/*: this rank's episodes, every round
         return out
 
+    def _async_batch(self, step: int) -> Rollout:
+        """Step `step`'s batch from the asynchronous buffer, as a Rollout, with its staleness counts."""
+        t0 = time.perf_counter()
+        gen = self.generator
+        batch = gen.take(step)
+        samples = batch_samples(batch)
+        k = self.cfg.algo.off_policy_steps
+        lags = [step - 1 - min(s.extra["versions"]) for s in samples]
+        token_lags = [step - 1 - v for s in samples for v in s.extra["versions"]]
+        counts = {"samples": len(samples), "staleness_sum": float(sum(lags)), "staleness_max": float(max(lags)),
+                  "tokens": len(token_lags), "token_lag_sum": float(sum(token_lags)),
+                  "dropped_groups": batch.dropped, "chunks": gen.buffer.chunks,
+                  "generated_tokens": gen.generated_tokens, "engine_seconds": gen.generation_seconds}
+        for j in range(k + 2):  # staleness histogram (samples), and trained tokens per version lag
+            counts[f"staleness_hist/{j}"] = sum(1 for x in lags if x == j or (j == k + 1 and x > k))
+            counts[f"tokens_lag/{j}"] = sum(1 for x in token_lags if x == j or (j == k + 1 and x > k))
+        gen.generated_tokens, gen.generation_seconds = 0, 0.0
+        rewards = [s.reward for s in samples]
+        out = Rollout(samples=samples, kept_groups=len(batch.groups), generated=len(samples) + batch.dropped_samples,
+                      reward_sum=sum(rewards) + batch.dropped_reward_sum,
+                      length_sum=sum(len(s.response_ids) for s in samples) + batch.dropped_length_sum,
+                      weights_step=min(min(s.extra["versions"]) for s in samples) if samples else self.state.weights_step,
+                      seconds=time.perf_counter() - t0, async_counts=counts)
+        out.fault_counts = pop_counts(*self.fault_counters)
+        out.source_metrics = source_metrics(self.source)
+        return out
+
+    def _async_metrics(self, rollout: Rollout) -> dict:
+        """Staleness (per sample: the step before the trained one minus its oldest token's version),
+        its histogram, trained tokens per version lag, dropped groups, chunks; over all ranks."""
+        c = rollout.async_counts
+        names = [n for n in c if n not in ("staleness_max", "chunks")]
+        tot = dict(zip(names, all_reduce_sum([float(c[n]) for n in names])))
+        samples, tokens = max(tot["samples"], 1.0), max(tot["tokens"], 1.0)
+        out = {"async/staleness_mean": tot["staleness_sum"] / samples,
+               "async/staleness_max": all_reduce_max(c["staleness_max"]),
+               "async/token_lag_mean": tot["token_lag_sum"] / tokens,
+               "async/dropped_groups": tot["dropped_groups"], "async/chunks": all_reduce_max(float(c["chunks"])),
+               "async/generated_tokens": tot["generated_tokens"],
+               "timing/engine_generation": all_reduce_max(c["engine_seconds"])}
+        for n in names:
+            if n.startswith("staleness_hist/"):
+                out[f"async/{n}"] = tot[n] / samples
+            elif n.startswith("tokens_lag/"):
+                out[f"async/{n}"] = tot[n]
+        return out
+
     def metrics(self, step: int, rollout: Rollout) -> dict:
         """The rollout's metrics over all ranks: rewards and lengths of every generated sample
         (dynamic sampling's dropped groups too), faults (the rollout's, counted when it finished,
@@ -127,6 +221,8 @@ class RolloutStage:
         out["timing/generation"] = all_reduce_max(rollout.seconds)
         if a.dynamic_sampling:
             out.update(self._dynamic_metrics(step, rollout))
+        if rollout.async_counts:
+            out.update(self._async_metrics(rollout))
         out["reward/mean"] = tot[0] / max(tot[1], 1)
         out["rollout/response_length"] = tot[2] / max(tot[1], 1)
         return out

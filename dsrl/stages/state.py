@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Optional
+
 from dsrl.actor.nonfinite import SkipCounter
+from dsrl.rollout.async_buffer import AsyncBuffer
 from dsrl.rollout.overlap import BackgroundRollout
 from dsrl.rollout.weight_sync import SyncSchedule
 
@@ -24,11 +27,17 @@ class LoopState:
     weights_step: int = 0
     # The weight sync's probe schedule (pushes counted, checks run, the probe sequences).
     sync: SyncSchedule = dataclasses.field(default_factory=SyncSchedule)
+    # algo.async_schedule clock|deterministic: the asynchronous buffer (groups in flight with their
+    # partial trajectories and versions, finished groups, closed batches, the prompt stream's
+    # position), as snapshotted at the last push; None for the other loops.
+    async_buffer: Optional[AsyncBuffer] = None
 
     @classmethod
-    def fresh(cls, *, seed: int, rank: int, max_skipped_steps: int) -> "LoopState":
+    def fresh(cls, *, seed: int, rank: int, max_skipped_steps: int,
+              async_buffer: Optional[AsyncBuffer] = None) -> "LoopState":
         return cls(prompt_rng=random.Random(seed * 1000 + rank), skips=SkipCounter(max_skipped_steps),
-                   critic_skips=SkipCounter(max_skipped_steps), next_rollout=BackgroundRollout())
+                   critic_skips=SkipCounter(max_skipped_steps), next_rollout=BackgroundRollout(),
+                   async_buffer=async_buffer)
 
     def state_dict(self) -> dict:
         """Every field, as plain data (a running background rollout is not state: only a finished one)."""
@@ -44,6 +53,8 @@ class LoopState:
                 value = None if held is None else (value.step, held)
             elif isinstance(value, SyncSchedule):
                 value = dataclasses.asdict(value)
+            elif isinstance(value, AsyncBuffer):
+                value = value.state_dict()
             out[f.name] = value
         return out
 
@@ -66,6 +77,12 @@ class LoopState:
             elif isinstance(current, SyncSchedule):  # in place: the weight sync holds this object
                 for k, v in value.items():
                     setattr(current, k, v)
+            elif isinstance(current, AsyncBuffer):  # in place: the generator holds this object
+                current.load_state_dict(value)
+            elif f.name == "async_buffer":
+                if value is not None:
+                    raise ValueError("the checkpoint holds an asynchronous buffer (algo.async_schedule clock or "
+                                     "deterministic) but this run has none")
             else:
                 setattr(self, f.name, value)
         return missing

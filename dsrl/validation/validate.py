@@ -27,6 +27,8 @@ _CHOICES = {
     "trainer.checkpoint_storage": ("shared", "node_local"),
     "data.on_bad_row": ("error", "skip"),
     "actor.shared_prompt": ("auto", "on", "off"),
+    "algo.async_schedule": ("auto", "overlap", "clock", "deterministic"),
+    "algo.stale_groups": ("drop", "keep"),
     "critic.shared_prompt": (None, "auto", "on", "off"),  # null: actor.shared_prompt
 }
 # Numeric ranges: key -> (test, what the value must be). Every float must also be finite.
@@ -66,7 +68,8 @@ _RANGES = {
     "critic.max_tokens_per_microbatch": (
         lambda v: v is None or v >= 0, ">= 0 (0 = count-based microbatches) or null (actor.max_tokens_per_microbatch)"),
     "algo.max_sampling_rounds": (lambda v: v >= 1, ">= 1"),
-    "algo.off_policy_steps": (lambda v: v in (0, 1), "0 (synchronous) or 1 (one-step-off-policy overlap)"),
+    "algo.off_policy_steps": (lambda v: isinstance(v, int) and v >= 0, ">= 0 (0 = synchronous)"),
+    "rollout.chunk_tokens": (lambda v: v >= 1, ">= 1"),
     "logger.plot_every": (lambda v: v >= 1, ">= 1"),
     "data.num_eval": (lambda v: v >= 0, ">= 0"),
     "data.eval_fraction": (lambda v: v is None or 0 < v < 1, "in (0, 1) or null"),
@@ -123,6 +126,37 @@ def _check_probe_schedule(cfg: Config, errors: List[str]) -> None:
                       f"which is not a sync check with {'; '.join(why)}: set rollout.sync_probe_every=1")
 
 
+def async_mode(cfg: Config) -> str:
+    """How generation runs beside training: sync (k = 0), overlap, clock or deterministic."""
+    a = cfg.algo
+    if a.off_policy_steps == 0:
+        return "sync"
+    if a.async_schedule == "auto":
+        return "overlap" if a.off_policy_steps == 1 else "clock"
+    return a.async_schedule
+
+
+def _check_async(cfg: Config, errors: List[str]) -> None:
+    """algo.async_schedule clock | deterministic: chunked single-turn generation (module docstring of
+    dsrl.rollout.async_buffer); what it does not combine with is named here."""
+    a, mode = cfg.algo, async_mode(cfg)
+    if a.async_schedule == "overlap" and a.off_policy_steps not in (0, 1):
+        errors.append(f"algo.async_schedule=overlap generates one whole rollout ahead: it needs "
+                      f"algo.off_policy_steps=1, not {a.off_policy_steps} (clock or deterministic allow any k)")
+    if mode not in ("clock", "deterministic"):
+        return
+    why = [(key, on) for key, on in (
+        ("algo.dynamic_sampling=true", a.dynamic_sampling),
+        ("rollout.env (multi-turn episodes)", bool(cfg.rollout.env)),
+        ("rollout.agent_endpoint=true", cfg.rollout.agent_endpoint),
+        ("rollout.placement=ray", cfg.rollout.placement == "ray"),
+        (f"{steps_per_rollout(cfg)} optimizer steps per rollout", steps_per_rollout(cfg) != 1)) if on]
+    for key, _ in why:
+        errors.append(f"algo.async_schedule={mode} (algo.off_policy_steps={a.off_policy_steps}) generates "
+                      f"single-turn groups in chunks on this rank's engine, one batch per optimizer step: it "
+                      f"cannot be combined with {key}")
+
+
 def validate(cfg: Config) -> None:
     errors: List[str] = []
     for key, choices in _CHOICES.items():
@@ -154,10 +188,12 @@ def validate(cfg: Config) -> None:
         _check_batch_split(cfg, world, errors)
     if a.eps_clip_c is not None and a.eps_clip_c <= 1.0:
         errors.append(f"algo.eps_clip_c={a.eps_clip_c} must be > 1 (dual-clip)")
-    if a.off_policy_steps == 1 and not (a.use_rollout_logprobs or a.use_tis):
-        errors.append("algo.off_policy_steps=1 needs algo.use_rollout_logprobs=true or algo.use_tis=true: the "
-                      "samples come from weights one step older than the trained ones, and only the rollout "
-                      "log-probs (as the old policy) or TIS correct for that")
+    if a.off_policy_steps >= 1 and not (a.use_rollout_logprobs or a.use_tis):
+        errors.append(f"algo.off_policy_steps={a.off_policy_steps} needs algo.use_rollout_logprobs=true or "
+                      "algo.use_tis=true: the samples come from weights older than the trained ones, and only the "
+                      "rollout log-probs (as the old policy) or TIS (decoupled PPO: the trainer's pass as the "
+                      "proximal policy, the rollout's as the behaviour policy) correct for that")
+    _check_async(cfg, errors)
     if a.use_tis and a.use_rollout_logprobs:
         errors.append("algo.use_tis and algo.use_rollout_logprobs are mutually exclusive "
                       "(TIS reweights trainer-vs-rollout mismatch; with rollout log-probs as the old policy there is none)")

@@ -1,0 +1,182 @@
+"""The asynchronous buffer and its generator thread (dsrl.rollout.async_buffer), on a stand-in
+engine whose tokens are a function of (request seed, prompt, weights version): the schedule of a
+hand-traced case, the deterministic schedule's independence from thread timing, the staleness
+bound, and a snapshot that a fresh generator continues exactly. The real engine: tests/e2e/test_e2e_async.py."""
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+
+import pytest
+
+from dsrl.rollout.async_buffer import AsyncBuffer, AsyncGenerator, batch_samples, chunk_seed
+from dsrl.rollout.vllm_engine import Completion
+
+EOS = 1
+
+
+class StandInEngine:
+    """generate() as the worker's: tokens drawn from a PRNG keyed by (seed, prompt, weights);
+    `lengths[first prompt token]` fixes where a trajectory emits EOS (None: never)."""
+
+    def __init__(self, lengths=None, jitter: float = 0.0):
+        self.weights, self.lengths, self.calls, self.jitter = 0, lengths, [], jitter
+        self.rng = random.Random(7)
+
+    def generate(self, prompt_ids, *, n, temperature, top_p, max_tokens, show_progress, seeds):
+        assert n == 1 and len(seeds) == len(prompt_ids)
+        if self.jitter:
+            time.sleep(self.rng.random() * self.jitter)
+        self.calls.append((self.weights, [len(p) for p in prompt_ids], max_tokens))
+        out = []
+        for p, s in zip(prompt_ids, seeds):
+            key = hashlib.blake2b(f"{s}:{p}:{self.weights}".encode(), digest_size=8).digest()
+            rng = random.Random(key)
+            ids, reason = [], "length"
+            stop_at = None if self.lengths is None else self.lengths[p[0]]
+            for _ in range(max_tokens):
+                done_len = len(p) - 1 + len(ids) + 1  # response tokens after this one (prompt is 1 token)
+                if stop_at is not None and done_len == stop_at or stop_at is None and self.lengths is None \
+                        and rng.random() < 0.2:
+                    ids.append(EOS)
+                    reason = "stop"
+                    break
+                ids.append(rng.randrange(2, 1000))
+            out.append([Completion(ids, [-rng.random() for _ in ids], reason, "")])
+        return out
+
+
+def make(engine, *, k, groups, n=1, chunk=2, max_tokens=8, total=6, deterministic=True, drop=True, prompts=None):
+    """A generator over a fresh buffer; prompts drawn from its prompt RNG (or, for the hand trace,
+    `prompts` in order: group i's prompt is [i])."""
+    rng = random.Random(0)
+    it = iter(prompts) if prompts is not None else None
+    draw = (lambda: next(it)) if it is not None else (lambda: rng.randrange(100, 10_000))
+    buf = AsyncBuffer(groups_per_batch=groups, n=n, k=k, total_batches=total, drop_stale=drop)
+    gen = AsyncGenerator(buf, worker=engine, draw_prompt=draw,
+                         prompt_ids_fn=lambda p: [p], score=lambda texts, prompt, g: [float(prompt % 3 == 0)] * len(texts),
+                         decode=lambda ids: "", prompt_rng=rng, deterministic=deterministic, chunk_tokens=chunk,
+                         max_tokens=max_tokens, temperature=1.0, top_p=1.0, seed=11, rank=0)
+    return buf, gen
+
+
+def train(gen, steps, *, engine, sleep_rng=None, start=1):
+    """The trainer's side: take batch s, 'train', push version s."""
+    batches = []
+    for step in range(start, start + steps):
+        batch = gen.take(step)
+        batches.append(batch)
+        if sleep_rng is not None:
+            time.sleep(sleep_rng.random() * 0.02)
+
+        def push(step=step):
+            engine.weights = step
+            return {}
+        gen.push(step, push)
+    gen.stop()
+    return batches
+
+
+def summary(batches):
+    return [[(g.index, [t.response_ids for t in g.trajectories], [t.versions for t in g.trajectories], g.rewards)
+             for g in b.groups] + [b.dropped] for b in batches]
+
+
+def test_a_hand_traced_deterministic_schedule():
+    """B = 2 groups of 1 sample, k = 1, chunks of 2, at most 8 tokens; group i's prompt is [i].
+    Lengths: g1 runs to 8 tokens, g4 to 4, the rest stop at 2 (EOS). Traced by hand:
+    chunk 1 (v0): admit g0 g1; g0 done -> open [g0]
+    chunk 2 (v0): admit g2; g2 done -> batch 1 = [g0, g2]; closed 1, required version 0
+    chunk 3 (v0): admit g3; g3 done -> open [g3]
+    chunk 4 (v0): admit g4; g1 done (8 tokens) -> batch 2 = [g3, g1]; closed 2, required 1: wait
+    push v1; chunk 5 (v1): admit g5; g4 done with versions [0, 0, 1, 1] and g5: g4 would train at
+    step 3 from version 0, 2 > k behind -> dropped; open [g5]
+    chunk 6 (v1): admit g6, done -> batch 3 = [g5, g6] (1 dropped)."""
+    lengths = {i: 2 for i in range(100)}
+    lengths.update({1: 8, 4: 4})
+    eng = StandInEngine(lengths)
+    buf, gen = make(eng, k=1, groups=2, total=3, prompts=range(100))
+    batches = train(gen, 3, engine=eng)
+    assert [[g.index for g in b.groups] for b in batches] == [[0, 2], [3, 1], [5, 6]]
+    assert [b.dropped for b in batches] == [0, 0, 1]
+    assert [t.versions for g in batches[1].groups for t in g.trajectories] == [[0, 0], [0] * 8]
+    assert [t.versions for g in batches[2].groups for t in g.trajectories] == [[1, 1], [1, 1]]
+    assert [w for w, _, _ in eng.calls] == [0, 0, 0, 0, 1, 1]  # the engine's version at each chunk
+    # keep: g4 trains at step 3 with tokens of two versions
+    eng = StandInEngine(lengths)
+    _, gen = make(eng, k=1, groups=2, total=3, drop=False, prompts=range(100))
+    batches = train(gen, 3, engine=eng)
+    assert [[g.index for g in b.groups] for b in batches] == [[0, 2], [3, 1], [4, 5]]
+    assert [t.versions for t in batches[2].groups[0].trajectories] == [[0, 0, 1, 1]]
+    samples = batch_samples(batches[2])
+    assert [s.group for s in samples] == [0, 1] and samples[0].extra["versions"] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_deterministic_schedule_does_not_depend_on_thread_timing(k):
+    runs = []
+    for timing in (None, 1, 2):
+        eng = StandInEngine(jitter=0.0 if timing is None else 0.005)
+        _, gen = make(eng, k=k, groups=3, n=2, chunk=3, max_tokens=9, total=6)
+        runs.append(summary(train(gen, 6, engine=eng, sleep_rng=None if timing is None else random.Random(timing))))
+    assert runs[0] == runs[1] == runs[2]
+    # trained groups are never more than k versions old at their step (drop policy)
+    for step, batch in enumerate(runs[0], start=1):
+        for _, _, versions, _ in batch[:-1]:
+            assert step - 1 - min(min(v) for v in versions) <= k
+
+
+def test_clock_schedule_keeps_the_bound_and_admission_limit():
+    eng = StandInEngine(jitter=0.003)
+    buf, gen = make(eng, k=2, groups=2, n=2, chunk=2, max_tokens=8, total=8, deterministic=False)
+    batches = train(gen, 8, engine=eng, sleep_rng=random.Random(3))
+    for step, batch in enumerate(batches, start=1):
+        assert len(batch.groups) == 2
+        for g in batch.groups:
+            assert step - 1 - g.oldest_version <= 2
+    # every admitted group is accounted for: trained, dropped, or abandoned in flight at the end
+    trained = sum(len(b.groups) for b in batches)
+    dropped = sum(b.dropped for b in batches)
+    assert trained + dropped <= buf.admitted <= trained + dropped + 2 + 2  # in flight at most B per chunk
+
+
+def test_a_snapshot_continues_exactly():
+    """Stop after step 3's push, load its snapshot into a fresh buffer (the prompt stream where it
+    stood), and the steps after equal the uninterrupted run's."""
+    eng = StandInEngine()
+    _, gen = make(eng, k=2, groups=2, n=2, chunk=3, max_tokens=9, total=7)
+    full = summary(train(gen, 7, engine=eng))
+
+    eng = StandInEngine()
+    buf, gen = make(eng, k=2, groups=2, n=2, chunk=3, max_tokens=9, total=7)
+    first = train(gen, 3, engine=eng)
+    state = buf.state_dict()
+    assert state["taken"] == 3 and state["version"] == 3
+
+    eng2 = StandInEngine()
+    eng2.weights = 3  # the resumed engine gets the checkpoint's weights
+    buf2, gen2 = make(eng2, k=2, groups=2, n=2, chunk=3, max_tokens=9, total=7)
+    gen2.prompt_rng.random()  # a different position: the snapshot's must win
+    buf2.load_state_dict(state)
+    gen2.restore_prompt_rng()
+    rest = train(gen2, 4, engine=eng2, start=4)
+    assert summary(first) == full[:3]
+    assert summary(rest) == full[3:]
+
+
+def test_chunk_seeds_are_distinct_and_stable():
+    seeds = {chunk_seed(0, r, g, j, c) for r in range(2) for g in range(20) for j in range(8) for c in range(4)}
+    assert len(seeds) == 2 * 20 * 8 * 4
+    assert chunk_seed(5, 0, 3, 1, 2) == chunk_seed(5, 0, 3, 1, 2) < 1 << 62
+
+
+def test_an_engine_error_reaches_the_trainer_thread():
+    class Broken(StandInEngine):
+        def generate(self, *a, **kw):
+            raise RuntimeError("engine died")
+    _, gen = make(Broken(), k=1, groups=1)
+    with pytest.raises(RuntimeError, match="engine died") as e:
+        gen.take(1)
+    assert "asynchronous rollout thread" in str(e.value.__notes__)
