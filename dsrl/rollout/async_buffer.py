@@ -106,6 +106,8 @@ class AsyncBuffer:
     taken: int = 0  # batches handed to the trainer
     version: int = 0  # the trainer step whose weights the engine holds
     chunks: int = 0  # chunks run
+    version_chunks: int = 0  # chunks the current version ran (reset at each push)
+    version_tokens: int = 0  # tokens the current version sampled (reset at each push)
     active: List[Group] = field(default_factory=list)
     open_batch: List[Group] = field(default_factory=list)
     open_dropped: List[Group] = field(default_factory=list)
@@ -149,6 +151,7 @@ class AsyncBuffer:
         t.logprobs += [float(x) for x in logprobs]
         t.versions += [self.version] * len(token_ids)
         t.chunks += 1
+        self.version_tokens += len(token_ids)
         if finish_reason != "length" or len(t.response_ids) >= max_tokens:
             t.finish_reason = finish_reason
 
@@ -181,8 +184,8 @@ class AsyncBuffer:
         return batch
 
     # ------------------------------------------------------------------ checkpoints
-    _STATE = ("admitted", "closed", "taken", "version", "chunks", "active", "open_batch", "open_dropped", "ready",
-              "prompt_state")
+    _STATE = ("admitted", "closed", "taken", "version", "chunks", "version_chunks", "version_tokens", "active",
+              "open_batch", "open_dropped", "ready", "prompt_state")
 
     def snapshot(self, prompt_state) -> None:
         self.prompt_state = prompt_state
@@ -223,7 +226,6 @@ class AsyncGenerator:
         self.stopping = False
         self.thread: Optional[threading.Thread] = None
         self.generation_seconds = 0.0  # engine time of chunks since the last take
-        self.generated_tokens = 0
 
     # ------------------------------------------------------------------ the generator thread
     def start(self) -> None:
@@ -287,8 +289,8 @@ class AsyncGenerator:
             for (_, _, t), group in zip(entries, outs):
                 c = group[0]
                 b.extend(t, c.token_ids, c.logprobs, c.finish_reason, self.max_tokens)
-                self.generated_tokens += len(c.token_ids)
         b.chunks += 1
+        b.version_chunks += 1
         self.generation_seconds += time.perf_counter() - t0
         for g in [g for g in b.active if g.finished]:
             if b.done:  # the last batch closed: what is still in flight is never trained
@@ -330,13 +332,17 @@ class AsyncGenerator:
         with self.engine:
             t2 = time.perf_counter()
             metrics = push_fn()
-            self.buffer.version = step
+            b = self.buffer
+            # what the outgoing version generated, complete now (no chunk runs between two versions)
+            metrics["async/version_tokens"] = float(b.version_tokens)
+            metrics["async/version_chunks"] = float(b.version_chunks)
+            b.version, b.version_tokens, b.version_chunks = step, 0, 0
             self.buffer.snapshot(self.prompt_rng.getstate())
             paused = time.perf_counter() - t2
         with self.cond:
             self.cond.notify_all()
-        metrics["async/push_wait_seconds"] = t1 - t0 + (t2 - t1)
-        metrics["async/pause_seconds"] = paused
+        metrics["timing/push_wait"] = t2 - t0  # deterministic: until the generator asks; then the chunk's end
+        metrics["timing/engine_pause"] = paused  # the engine held by the push (export, load, probe)
         return metrics
 
     def restore_prompt_rng(self) -> None:

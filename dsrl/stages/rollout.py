@@ -97,7 +97,12 @@ class RolloutStage:
         generation chunks (deterministic: when the generator asks for step `step`'s weights)."""
         if self.generator is None:
             return push_fn()
-        return self.generator.push(step, push_fn)
+        out = self.generator.push(step, push_fn)
+        names = ("async/version_tokens", "async/version_chunks")
+        out.update(zip(names, all_reduce_sum([out[n] for n in names])))
+        for n in ("timing/push_wait", "timing/engine_pause"):
+            out[n] = all_reduce_max(out[n])
+        return out
 
     def collect(self, step: int) -> Rollout:
         """This rank's scored rollout of `step`: the one generated in the background during the
@@ -172,12 +177,11 @@ class RolloutStage:
         token_lags = [step - 1 - v for s in samples for v in s.extra["versions"]]
         counts = {"samples": len(samples), "staleness_sum": float(sum(lags)), "staleness_max": float(max(lags)),
                   "tokens": len(token_lags), "token_lag_sum": float(sum(token_lags)),
-                  "dropped_groups": batch.dropped, "chunks": gen.buffer.chunks,
-                  "generated_tokens": gen.generated_tokens, "engine_seconds": gen.generation_seconds}
+                  "dropped_groups": batch.dropped, "engine_seconds": gen.generation_seconds}
         for j in range(k + 2):  # staleness histogram (samples), and trained tokens per version lag
             counts[f"staleness_hist/{j}"] = sum(1 for x in lags if x == j or (j == k + 1 and x > k))
             counts[f"tokens_lag/{j}"] = sum(1 for x in token_lags if x == j or (j == k + 1 and x > k))
-        gen.generated_tokens, gen.generation_seconds = 0, 0.0
+        gen.generation_seconds = 0.0
         rewards = [s.reward for s in samples]
         out = Rollout(samples=samples, kept_groups=len(batch.groups), generated=len(samples) + batch.dropped_samples,
                       reward_sum=sum(rewards) + batch.dropped_reward_sum,
@@ -192,14 +196,13 @@ class RolloutStage:
         """Staleness (per sample: the step before the trained one minus its oldest token's version),
         its histogram, trained tokens per version lag, dropped groups, chunks; over all ranks."""
         c = rollout.async_counts
-        names = [n for n in c if n not in ("staleness_max", "chunks")]
+        names = [n for n in c if n not in ("staleness_max", "engine_seconds")]
         tot = dict(zip(names, all_reduce_sum([float(c[n]) for n in names])))
         samples, tokens = max(tot["samples"], 1.0), max(tot["tokens"], 1.0)
         out = {"async/staleness_mean": tot["staleness_sum"] / samples,
                "async/staleness_max": all_reduce_max(c["staleness_max"]),
                "async/token_lag_mean": tot["token_lag_sum"] / tokens,
-               "async/dropped_groups": tot["dropped_groups"], "async/chunks": all_reduce_max(float(c["chunks"])),
-               "async/generated_tokens": tot["generated_tokens"],
+               "async/dropped_groups": tot["dropped_groups"],
                "timing/engine_generation": all_reduce_max(c["engine_seconds"])}
         for n in names:
             if n.startswith("staleness_hist/"):
