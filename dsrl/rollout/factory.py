@@ -42,7 +42,8 @@ def _colocated_vllm(cfg, model_path: str, run_dir: str):
         gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
         local_rank=local_rank(), local_world=local_world_size(world_size()), colocated=True,
         weights_dir=os.path.join(run_dir, ".weights", f"rank{global_rank()}"),
-        lora_rank=cfg.actor.lora.rank)  # actor.lora: the engine serves the synced adapter (dsrl.rollout.lora_sync)
+        lora_rank=cfg.actor.lora.rank,  # actor.lora: the engine serves the synced adapter (dsrl.rollout.lora_sync)
+        cores=r.engine_cores)
 
 
 def _in_process_hf(cfg, model_path: str, actor):

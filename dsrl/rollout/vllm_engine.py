@@ -56,14 +56,15 @@ def reload_and_retie(worker, weights_path: str) -> int:
 _RPC_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
-def engine_env(kv_cache_gib: int, local_rank: int, local_world: int, *, multiprocess: bool) -> dict:
+def engine_env(kv_cache_gib: int, local_rank: int, local_world: int, *, multiprocess: bool, cores: str = "") -> dict:
     """Environment that vLLM reads when an engine starts: RPC serialization (always); on CPU the
-    KV-cache size, this rank's cores and whether the engine core runs in its own process."""
+    KV-cache size, this rank's cores (`cores`, rollout.engine_cores, else an even share of the usable
+    ones) and whether the engine core runs in its own process."""
     env = dict(_RPC_ENV)
     if not torch.cuda.is_available():
         env.update({
             "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
-            "VLLM_CPU_OMP_THREADS_BIND": cpu_core_range(usable_core_ids(), local_rank, local_world),
+            "VLLM_CPU_OMP_THREADS_BIND": cores or cpu_core_range(usable_core_ids(), local_rank, local_world),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
         })
@@ -143,11 +144,11 @@ class VLLMEngine:
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
                  kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
                  local_rank: int = 0, local_world: int = 1, colocated: bool = False, lora_rank: int = 0,
-                 multiprocess: bool = True):
+                 multiprocess: bool = True, cores: str = ""):
         from vllm import LLM
 
         # Read by vLLM when the engine starts (in this process, or the engine-core process it spawns).
-        os.environ.update(engine_env(kv_cache_gib, local_rank, local_world, multiprocess=multiprocess))
+        os.environ.update(engine_env(kv_cache_gib, local_rank, local_world, multiprocess=multiprocess, cores=cores))
         # Per-request seeds (dsrl.rollout.seeds) on CPU: a prefill split across engine steps discards
         # the sampled token and rewinds the request's generator with set_offset, which CPU torch
         # generators do not support ("CPU Generator does not use offset"). Without chunked prefill a

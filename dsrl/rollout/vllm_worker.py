@@ -73,14 +73,14 @@ class VLLMWorker:
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
                  kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
                  local_rank: int = 0, local_world: int = 1, weights_dir: Optional[str] = None,
-                 colocated: bool = False, lora_rank: int = 0, host: str = "auto"):
+                 colocated: bool = False, lora_rank: int = 0, host: str = "auto", cores: str = ""):
         self.host = resolve_host(host)
         self.weights_dir = weights_dir  # unused: weights arrive through shared memory (kept for callers)
         self.lora_enabled = int(lora_rank) > 0
         engine_kwargs = dict(dtype=dtype, seed=seed, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                              local_rank=local_rank, local_world=local_world, colocated=colocated,
-                             lora_rank=lora_rank)
+                             lora_rank=lora_rank, cores=cores)
         if self.host == "process":
             self._engine = EngineHost(str(model_path), engine_kwargs)
         else:

@@ -70,6 +70,8 @@ _RANGES = {
     "algo.max_sampling_rounds": (lambda v: v >= 1, ">= 1"),
     "algo.off_policy_steps": (lambda v: isinstance(v, int) and v >= 0, ">= 0 (0 = synchronous)"),
     "rollout.chunk_tokens": (lambda v: v >= 1, ">= 1"),
+    "rollout.engine_cores": (lambda v: v == "" or all(p.isdigit() or (p.count("-") == 1 and all(
+        x.isdigit() for x in p.split("-"))) for p in str(v).split(",")), '"" or core ids like "1", "2-3", "0,2"'),
     "logger.plot_every": (lambda v: v >= 1, ">= 1"),
     "data.num_eval": (lambda v: v >= 0, ">= 0"),
     "data.eval_fraction": (lambda v: v is None or 0 < v < 1, "in (0, 1) or null"),

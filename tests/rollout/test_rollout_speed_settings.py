@@ -24,6 +24,8 @@ def test_engine_binds_an_explicit_core_share_per_rank():
     assert engine_env(1, 0, 1, multiprocess=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     # Two local ranks: disjoint halves of the usable cores (one core: both share it).
     assert [engine_env(1, r, 2, multiprocess=False)["VLLM_CPU_OMP_THREADS_BIND"] for r in (0, 1)] == _expected_halves()
+    # rollout.engine_cores: the cores named, whatever the share would be
+    assert engine_env(1, 0, 1, multiprocess=False, cores="1")["VLLM_CPU_OMP_THREADS_BIND"] == "1"
 
 
 def _expected_halves():

@@ -16,7 +16,7 @@ from _loop_fakes import make_cfg, make_trainer
 
 # What a checkpoint's rank file holds besides the RNGs. A new LoopState field must be added here
 # (and so reviewed for resume) or this test fails.
-CHECKPOINTED = ["prompt_rng", "skips", "critic_skips", "next_rollout", "weights_step", "sync"]
+CHECKPOINTED = ["prompt_rng", "skips", "critic_skips", "next_rollout", "weights_step", "sync", "async_buffer"]
 
 
 def test_every_field_is_checkpointed_and_restored():
@@ -43,7 +43,7 @@ def test_every_field_is_checkpointed_and_restored():
 def test_an_older_checkpoint_without_a_field_keeps_its_fresh_value():
     b = LoopState.fresh(seed=0, rank=0, max_skipped_steps=3)
     old = {"prompt_rng": random.Random(5).getstate(), "skips": {"total": 2, "consecutive": 0}, "next_rollout": None}
-    assert b.load_state_dict(old) == ["critic_skips", "weights_step", "sync"]
+    assert b.load_state_dict(old) == ["critic_skips", "weights_step", "sync", "async_buffer"]
     assert b.skips.total == 2 and b.critic_skips.total == 0 and b.weights_step == 0
 
 
@@ -102,3 +102,32 @@ def _roundtrip(state):
     torch.save(state, buf)
     buf.seek(0)
     return buf
+
+
+def test_the_asynchronous_buffer_is_the_snapshot_of_the_last_push():
+    """algo.async_schedule clock|deterministic: the checkpoint holds the buffer as snapshotted at
+    the push (groups in flight with their versions, closed batches, the prompt stream's position),
+    not as it stands when the checkpoint is written; a run without one refuses such a checkpoint."""
+    from dsrl.rollout.async_buffer import AsyncBuffer
+
+    def fresh():
+        return LoopState.fresh(seed=0, rank=0, max_skipped_steps=3,
+                               async_buffer=AsyncBuffer(groups_per_batch=2, n=1, k=2, total_batches=9))
+
+    a = fresh()
+    buf = a.async_buffer
+    g = buf.admit("prompt", [5, 6])
+    buf.extend(g.trajectories[0], [7], [-0.5], "length", max_tokens=4)
+    buf.taken, buf.version = 3, 3
+    buf.snapshot(a.prompt_rng.getstate())
+    a.prompt_rng.random()  # the generator draws on after the push: not in the checkpoint
+    buf.admit("later", [1])
+    state = torch.load(_roundtrip(a.state_dict()), weights_only=False)
+    b = fresh()
+    assert b.load_state_dict(state) == []
+    got = b.async_buffer
+    assert (got.admitted, got.taken, got.version) == (1, 3, 3)
+    assert got.active[0].trajectories[0].response_ids == [7] and got.active[0].trajectories[0].versions == [0]
+    assert got.prompt_state == buf.prompt_state
+    with __import__("pytest").raises(ValueError, match="holds an asynchronous buffer"):
+        LoopState.fresh(seed=0, rank=0, max_skipped_steps=3).load_state_dict(state)

@@ -146,8 +146,32 @@ def test_overlap_needs_rollout_logprobs_or_tis():
         make_cfg(off_policy_steps=1)
     make_cfg(off_policy_steps=1, use_tis=True)
     make_cfg(off_policy_steps=1, use_rollout_logprobs=True)
-    with pytest.raises(ConfigError, match=r"algo.off_policy_steps=2 must be 0 \(synchronous\) or 1"):
-        make_cfg(off_policy_steps=2, use_tis=True)
+    with pytest.raises(ConfigError, match=r"algo.off_policy_steps=2 needs algo.use_rollout_logprobs=true"):
+        make_cfg(off_policy_steps=2)
+    with pytest.raises(ConfigError, match=r"algo.off_policy_steps=-1 must be >= 0"):
+        make_cfg(off_policy_steps=-1, use_tis=True)
+
+
+def test_async_schedule_rules():
+    """k >= 2 runs the chunked asynchronous generator (clock unless deterministic is asked for);
+    overlap is k = 1 only; what the chunked generator cannot do is named."""
+    from dsrl.validation.validate import async_mode
+
+    assert async_mode(make_cfg()) == "sync"
+    assert async_mode(make_cfg(off_policy_steps=1, use_tis=True)) == "overlap"
+    assert async_mode(make_cfg(off_policy_steps=2, use_tis=True)) == "clock"
+    assert async_mode(make_cfg(off_policy_steps=1, use_tis=True, async_schedule="deterministic")) == "deterministic"
+    with pytest.raises(ConfigError, match=r"algo.async_schedule=overlap generates one whole rollout ahead: it "
+                                          r"needs algo.off_policy_steps=1, not 3"):
+        make_cfg(off_policy_steps=3, use_tis=True, async_schedule="overlap")
+    with pytest.raises(ConfigError, match=r"algo.async_schedule='sometimes' is not one of"):
+        make_cfg(off_policy_steps=2, use_tis=True, async_schedule="sometimes")
+    with pytest.raises(ConfigError, match=r"algo.stale_groups='never' is not one of"):
+        make_cfg(off_policy_steps=2, use_tis=True, stale_groups="never")
+    with pytest.raises(ConfigError) as e:
+        make_cfg(off_policy_steps=2, use_tis=True, dynamic_sampling=True, num_steps_per_rollout=2)
+    assert "cannot be combined with algo.dynamic_sampling=true" in str(e.value)
+    assert "cannot be combined with 2 optimizer steps per rollout" in str(e.value)
 
 
 def test_reuse_on_is_blocked_by_overlap_unless_the_rollout_logprobs_are_the_old_policy():
