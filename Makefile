@@ -13,7 +13,7 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --n
 export RAY_AUTH_MODE ?= disabled
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup train train-reasoning train-2rank test test-fast bench-reuse bench-train bench-critic bench-dtype bench-seeds bench-logprobs bench-overlap bench-overlap-learn bench-rollout bench-step bench-sync bench-lora bench-ceiling clean-outputs
+.PHONY: setup train train-reasoning train-2rank test test-fast bench-reuse bench-train bench-critic bench-dtype bench-seeds bench-logprobs bench-overlap bench-overlap-learn bench-async bench-async-learn bench-rollout bench-step bench-sync bench-lora bench-ceiling clean-outputs
 
 setup: $(STAMP)
 
@@ -71,6 +71,15 @@ bench-overlap: setup
 
 bench-overlap-learn: setup
 	$(PY) bench/bench_overlap.py bench.learn=1 $(ARGS)
+
+# Asynchronous rollouts (algo.off_policy_steps=k, clock | deterministic) against the synchronous loop
+# and the one-step overlap, trainer and engine pinned to separate cores; bench-async-learn: the
+# 30-step default job under k = 2 (last5 - first5 reward >= 0.4?).
+bench-async: setup
+	$(PY) bench/bench_async.py $(ARGS)
+
+bench-async-learn: setup
+	$(PY) bench/bench_async.py --learn $(ARGS)
 
 # LoRA (actor.lora.rank=8) vs full-parameter training: step time, sync bytes, trainer peak RSS as
 # ratios (interleaved); tiny model by default, ARGS="bench.model=smollm2" for SmolLM2-135M.

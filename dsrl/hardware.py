@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, FrozenSet, List, Optional, Sequence
 
 __all__ = ["Machine", "Decision", "probe", "decide", "apply", "record_resolved", "describe",
-           "cpu_has_native_bf16", "cpu_core_range", "usable_core_ids", "local_world_size", "kernel_isa_cap"]
+           "cpu_has_native_bf16", "cpu_core_range", "parse_core_list", "usable_core_ids", "local_world_size", "kernel_isa_cap"]
 
 # /proc/cpuinfo flags of instructions that compute bf16 natively (matmul kernels use them).
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -218,6 +218,16 @@ def cpu_core_range(cores: Sequence[int], local_rank: int, local_world: int) -> s
     if share == list(range(share[0], share[-1] + 1)):
         return f"{share[0]}-{share[-1]}"
     return ",".join(str(c) for c in share)
+
+
+def parse_core_list(text: str) -> List[int]:
+    """Core ids of a list like "1", "2-3" or "0,2-3" (what cpu_core_range and rollout.engine_cores
+    write), sorted; pure."""
+    ids = set()
+    for part in str(text).split(","):
+        lo, _, hi = part.strip().partition("-")
+        ids.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(ids)
 
 
 def local_world_size(default: Optional[int] = None) -> int:

@@ -86,6 +86,7 @@ class Batch:
     index: int  # 1-based: the step that trains it
     groups: List[Group]
     dropped: int = 0
+    dropped_ids: List[int] = field(default_factory=list)  # admission indices of the dropped groups
     dropped_samples: int = 0
     dropped_reward_sum: float = 0.0
     dropped_length_sum: int = 0
@@ -166,7 +167,7 @@ class AsyncBuffer:
             self.open_batch.append(group)
         if len(self.open_batch) == self.groups_per_batch:
             dropped = self.open_dropped
-            self.ready.append(Batch(trained_at, self.open_batch, dropped=len(dropped),
+            self.ready.append(Batch(trained_at, self.open_batch, dropped=len(dropped), dropped_ids=[g.index for g in dropped],
                                     dropped_samples=sum(len(g.trajectories) for g in dropped),
                                     dropped_reward_sum=sum(sum(g.rewards) for g in dropped),
                                     dropped_length_sum=sum(len(t.response_ids) for g in dropped

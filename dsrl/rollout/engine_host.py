@@ -173,9 +173,10 @@ class EngineHost:
 def serve(conn: Connection) -> int:
     """The child: build the engine, then answer calls until `close` or the parent's end closes."""
     model_path, engine_kwargs = conn.recv()
-    from dsrl.rollout.vllm_engine import VLLMEngine
+    from dsrl.rollout.vllm_engine import VLLMEngine, bind_engine_process
 
     try:
+        bind_engine_process(**{k: engine_kwargs.get(k) for k in ("local_rank", "local_world", "cores")})
         engine = VLLMEngine(model_path, **engine_kwargs, multiprocess=False)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", _portable(e)))

@@ -30,7 +30,7 @@ from typing import List, Mapping, Optional, Sequence
 
 import torch
 
-from dsrl.hardware import cpu_core_range, usable_core_ids
+from dsrl.hardware import cpu_core_range, parse_core_list, usable_core_ids
 from dsrl.tracking.progress import progress
 
 
@@ -69,6 +69,21 @@ def engine_env(kv_cache_gib: int, local_rank: int, local_world: int, *, multipro
             "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
         })
     return env
+
+
+def bind_engine_process(local_rank=0, local_world=1, cores="") -> List[int]:
+    """CPU, in the engine host's child only (dsrl.rollout.engine_host): this process, and every
+    thread it starts, on the rank's cores (rollout.engine_cores, else its even share of the usable
+    ones), torch's thread pool sized to them. vLLM reads VLLM_CPU_OMP_THREADS_BIND only when it
+    spawns its own worker processes; an in-process engine inherits the parent's affinity and would
+    run on the trainer's cores (measured: the default job's engine ran on core 0 beside a trainer
+    pinned there, core 1 idle). Returns the cores (none on CUDA)."""
+    if torch.cuda.is_available():
+        return []
+    ids = parse_core_list(cores or cpu_core_range(usable_core_ids(), int(local_rank or 0), int(local_world or 1)))
+    os.sched_setaffinity(0, ids)
+    torch.set_num_threads(len(ids))
+    return ids
 
 
 def lora_engine_kwargs(lora_rank: int) -> dict:

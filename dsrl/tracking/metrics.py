@@ -71,6 +71,28 @@ def _to_float(key: str, value: Any) -> float:
     raise TypeError(f"metric {key!r}: expected a real number, got {type(value).__name__}")
 
 
+def histograms(scalars: Mapping[str, float]) -> Dict[str, dict]:
+    """Metrics named `NAME_hist/J` (J = 0, 1, ...: the weight of integer value J) as one histogram
+    per NAME, in the arguments of TensorBoard's add_histogram_raw (buckets [J - 0.5, J + 0.5))."""
+    groups: Dict[str, Dict[int, float]] = {}
+    for key, val in scalars.items():
+        head, sep, tail = key.rpartition("_hist/")
+        if sep and tail.isdigit() and math.isfinite(val):
+            groups.setdefault(head, {})[int(tail)] = float(val)
+    out = {}
+    for name, weights in groups.items():
+        values = sorted(weights)
+        counts = [weights[j] for j in values]
+        num = sum(counts)
+        if num <= 0:
+            continue
+        held = [j for j in values if weights[j] > 0]
+        out[name] = {"min": float(held[0]), "max": float(held[-1]), "num": num,
+                     "sum": sum(j * weights[j] for j in values), "sum_squares": sum(j * j * weights[j] for j in values),
+                     "bucket_limits": [j + 0.5 for j in values], "bucket_counts": counts}
+    return out
+
+
 def _fmt_value(value: Optional[float], unit: str = "") -> str:
     if value is None or not math.isfinite(value):
         return "nan"
@@ -220,6 +242,8 @@ class MetricsLogger:
         if self._writer is not None:
             for key, val in scalars.items():
                 self._writer.add_scalar(key, val, global_step=step)
+            for name, buckets in histograms(scalars).items():
+                self._writer.add_histogram_raw(name, global_step=step, **buckets)
             self._writer.flush()
         if self.wandb is not None:
             self.wandb.log(step, scalars)

@@ -154,3 +154,19 @@ def test_summary_line():
     assert "\n" not in line
     assert format_summary(0, {}) == "step 0"
     assert math.isnan(float(format_summary(1, {"reward/mean": float("inf")}).split()[-1]))
+
+
+def test_bucket_metrics_become_a_tensorboard_histogram(tmp_path):
+    """async/staleness_hist/J (the fraction of samples J versions stale) is also one histogram."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path, enabled=True) as log:
+        log.log(3, {"async/staleness_hist/0": 0.25, "async/staleness_hist/1": 0.0, "async/staleness_hist/2": 0.75})
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"histograms": 0})
+    acc.Reload()
+    assert "async/staleness" in acc.Tags()["histograms"]
+    h = acc.Histograms("async/staleness")[0]
+    v = h.histogram_value
+    assert h.step == 3 and (v.min, v.max, v.num) == (0.0, 2.0, 1.0)
+    assert v.sum == 1.5 and v.sum_squares == 3.0  # 0.75 * 2, 0.75 * 4
+    assert list(v.bucket_limit) == [0.5, 1.5, 2.5] and list(v.bucket) == [0.25, 0.0, 0.75]
