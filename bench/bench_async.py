@@ -8,6 +8,7 @@ same work per step and only the schedule differs.
     python bench/bench_async.py                          # k = 0, 1 (overlap), 1 (clock), 2 (clock), 2 (deterministic)
     python bench/bench_async.py --steps 6 --rounds 2     # ABC.. then ..CBA, medians over both
     python bench/bench_async.py --learn                  # the 30-step default job under k = 2 (clock): learns?
+    python bench/bench_async.py --learn --modes "sync (k=0),clock k=1"   # learning curves of other schedules
     python bench/bench_async.py --trainer-cores 0 --engine-cores 1 -- model.path=tiny   # extra overrides
 
 A learning run passes when last-5 minus first-5 mean reward is at least 0.4 (issue 19 §4)."""
@@ -61,22 +62,26 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="jobs per mode; round 2 runs the modes in reverse order")
     p.add_argument("--trainer-cores", default="0")
     p.add_argument("--engine-cores", default="1")
-    p.add_argument("--modes", default=",".join(MODES), help="comma list of: " + ", ".join(MODES))
-    p.add_argument("--learn", action="store_true", help="the 30-step default job under k = 2 (clock) only")
+    p.add_argument("--modes", default=None, help="comma list of: " + ", ".join(MODES) + " (default: all; "
+                   "--learn: clock k=2)")
+    p.add_argument("--learn", action="store_true", help="the 30-step default job under each mode: learns?")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every job")
     args = p.parse_args()
     print(f"machine: {os.cpu_count()} cores; trainer on cores {args.trainer_cores}, engine on {args.engine_cores}")
+    modes = [m.strip() for m in (args.modes or ("clock k=2" if args.learn else ",".join(MODES))).split(",")]
     if args.learn:
-        rows = run_job([*MODES["clock k=2"], *args.overrides], args.trainer_cores, args.engine_cores)
-        rewards = [r["reward/mean"] for r in rows]
-        first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
-        steps = statistics.median(r["timing/step"] for r in rows[2:])
-        print(f"k=2 clock, {len(rows)} steps: reward first5 {first:.3f} -> last5 {last:.3f} "
-              f"(+{last - first:.3f}; goal >= {LEARN_MARGIN}: {'PASS' if last - first >= LEARN_MARGIN else 'FAIL'}); "
-              f"median step {steps:.2f} s; mean staleness {statistics.mean(r['async/staleness_mean'] for r in rows):.2f}; "
-              f"dropped groups {sum(r['async/dropped_groups'] for r in rows):.0f}")
+        for mode in modes:
+            rows = run_job([*MODES[mode], *args.overrides], args.trainer_cores, args.engine_cores)
+            rewards = [r["reward/mean"] for r in rows]
+            first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
+            steps = statistics.median(r["timing/step"] for r in rows[2:])
+            stale = statistics.mean(r.get("async/staleness_mean", r["rollout/staleness"]) for r in rows)
+            print(f"{mode}, {len(rows)} steps: reward first5 {first:.3f} -> last5 {last:.3f} (+{last - first:.3f}; "
+                  f"goal >= {LEARN_MARGIN}: {'PASS' if last - first >= LEARN_MARGIN else 'FAIL'}); median step "
+                  f"{steps:.2f} s; mean staleness {stale:.2f}; dropped groups "
+                  f"{sum(r.get('async/dropped_groups', 0.0) for r in rows):.0f}; rewards "
+                  f"{' '.join(f'{x:.2f}' for x in rewards)}", flush=True)
         return
-    modes = [m.strip() for m in args.modes.split(",")]
     times = {m: [] for m in modes}
     extra = {m: [] for m in modes}
     for rnd in range(args.rounds):

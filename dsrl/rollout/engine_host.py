@@ -8,8 +8,9 @@ Here the child is started once with `python -m dsrl.rollout.engine_host FD` and 
 in-process (`VLLMEngine(multiprocess=False)`): 8-9 s to start, about 1 s to close, and the
 same tokens and log-probs bit for bit (same kernels, same thread binding). The child is named
 `VLLM::EngineCore`, the name vLLM gives the process that runs its engine core, so process
-listings and the engine's liveness checks read as before; its threads are bound to the rank's
-cores (VLLM_CPU_OMP_THREADS_BIND), which never touches the trainer's.
+listings and the engine's liveness checks read as before; it binds itself to the rank's cores
+(`bind_engine_process`: rollout.engine_cores, else the rank's share), never the trainer's
+(vLLM's own VLLM_CPU_OMP_THREADS_BIND binds only worker processes vLLM spawns).
 
 Protocol: a socketpair's end is passed to the child (`pass_fds`); both sides speak
 multiprocessing's `Connection` (pickled messages). The parent sends the engine's arguments; the

@@ -73,3 +73,27 @@ def test_bench_old_settings_are_the_pre_issue_9_ones():
     assert bench_rollout.OLD_KWARGS["enable_prefix_caching"] is True
     assert bench_rollout.OLD_KWARGS["enable_chunked_prefill"] is False
     assert "block_size" not in bench_rollout.OLD_KWARGS  # vLLM-CPU's default (128) before issue 9
+
+
+def test_the_engine_process_binds_itself_to_its_cores():
+    """vLLM applies VLLM_CPU_OMP_THREADS_BIND only to worker processes it spawns; the engine host's
+    child runs vLLM in-process, so it binds itself (bind_engine_process): its affinity becomes the
+    cores named (rollout.engine_cores) or the rank's share, whatever it inherited, and torch's pool
+    matches. Run in a fresh interpreter that inherits every core this test may use."""
+    import os
+    import subprocess
+    import sys
+
+    cores = sorted(os.sched_getaffinity(0))
+    code = ("import os, torch; from dsrl.rollout.vllm_engine import bind_engine_process as b; "
+            "import sys; ids = b(**eval(sys.argv[1])); print(ids, sorted(os.sched_getaffinity(0)), torch.get_num_threads())")
+    def run(kwargs, inherit):
+        out = subprocess.run([sys.executable, "-c", code, repr(kwargs)], capture_output=True, text=True, timeout=120,
+                             preexec_fn=lambda: os.sched_setaffinity(0, inherit))
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split("\n")[0]
+    last = cores[-1]
+    assert run({"cores": str(last)}, set(cores)) == f"[{last}] [{last}] 1"
+    if len(cores) >= 2:  # two local ranks: rank 1 gets the second half, not what it inherited
+        half = cores[len(cores) // 2:]
+        assert run({"local_rank": 1, "local_world": 2, "cores": ""}, set(cores)) == f"{half} {half} {len(half)}"
