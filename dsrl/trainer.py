@@ -98,6 +98,7 @@ class Trainer:
             except TrainingDiverged:
                 # Weights and optimizer are those of the last good step; the prompt stream and RNGs
                 # have moved through this step, so the checkpoint is labelled with it.
+                self.rollout.snapshot_now()
                 self.save(step)
                 raise
             self.logger.log(step, metrics)

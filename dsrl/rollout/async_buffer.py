@@ -351,12 +351,19 @@ class AsyncGenerator:
         if self.buffer.prompt_state is not None:
             self.prompt_rng.setstate(self.buffer.prompt_state)
 
-    def stop(self) -> None:
-        """End the thread at its next boundary (a run that ends or fails); waits for it."""
+    def snapshot_now(self) -> None:
+        """Snapshot the buffer at the next chunk boundary, without a push (a checkpoint written
+        after a step that made none: TrainingDiverged). Lossless, not replayable bit for bit."""
+        with self.engine:
+            self.buffer.snapshot(self.prompt_rng.getstate())
+
+    def stop(self, wait: bool = True) -> None:
+        """End the thread at its next boundary; `wait`: join it (a run that ended; a failed run does
+        not wait on an engine that may hang: the thread is a daemon, closing the engine ends it)."""
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
-        if self.thread is not None:
+        if wait and self.thread is not None:
             self.thread.join()
             self.thread = None
 

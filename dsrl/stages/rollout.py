@@ -70,8 +70,9 @@ class RolloutStage:
         return self.endpoint
 
     def close(self) -> None:
-        """Stop the asynchronous generator and the agent endpoint's server (those that started)."""
-        self.finish()
+        """Stop the asynchronous generator (not waiting for it) and the agent endpoint's server."""
+        if self.generator is not None:
+            self.generator.stop(wait=False)
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None
@@ -87,10 +88,20 @@ class RolloutStage:
         continues from the buffer's snapshot of that step's push (its prompt stream position included)."""
         if self.generator is not None:
             b = self.generator.buffer
-            if b.taken != step or b.version != step:
-                raise RuntimeError(f"the checkpoint of step {step} holds the asynchronous buffer of step {b.taken}'s "
-                                   f"push (weights of step {b.version}): it cannot be resumed exactly")
+            if b.taken != step:
+                raise RuntimeError(f"the checkpoint of step {step} holds the asynchronous buffer as it stood after "
+                                   f"step {b.taken}: it cannot be resumed")
+            if b.version != step:  # written after a step without a push (TrainingDiverged): lossless, not exact
+                log.warning("the checkpoint of step %d was written without its push: the asynchronous buffer's "
+                            "groups continue on the restored weights (not bit for bit the uninterrupted run)", step)
+                b.version = step
             self.generator.restore_prompt_rng()
+
+    def snapshot_now(self) -> None:
+        """A checkpoint after a step that made no push (TrainingDiverged): the asynchronous buffer as
+        it stands at the next chunk boundary."""
+        if self.generator is not None:
+            self.generator.snapshot_now()
 
     def push(self, step: int, push_fn) -> dict:
         """Run the weight push `push_fn` (its metrics): asynchronous schedules load it between two

@@ -207,3 +207,16 @@ def test_a_clock_run_resumed_from_a_snapshot_trains_no_group_twice_and_loses_non
     # a group runs at most 3 chunks (9 tokens, chunks of 3) and 5 more batches need at least 5: every
     # group the snapshot holds in flight finishes before the run ends
     assert set(range(state["admitted"])) <= set(trained) | set(dropped)
+
+
+def test_a_snapshot_without_a_push_is_taken_at_a_chunk_boundary():
+    """TrainingDiverged writes a checkpoint after a step that pushed nothing: snapshot_now takes the
+    buffer between two chunks (the engine lock), with the batches the trainer has taken."""
+    eng = StandInEngine()
+    buf, gen = make(eng, k=2, groups=2, n=2, chunk=3, max_tokens=9, total=6)
+    gen.take(1)
+    gen.snapshot_now()
+    state = buf.state_dict()
+    assert state["taken"] == 1 and state["version"] == 0
+    assert all(len(t.response_ids) % 3 == 0 or t.finish_reason for g in state["active"] for t in g.trajectories)
+    gen.stop()
