@@ -13,9 +13,10 @@ may span versions. Each chunk of each trajectory is sampled with its own seed, a
 seed, rank, group, sample, chunk) alone.
 
 Groups (one prompt, n samples) are admitted in order while fewer than a batch's worth are in flight
-and the engine's version is at most k behind the batch they would join; a finished group is scored
-and joins the open batch (completion order: a long group does not hold a batch back). A group whose
-oldest token is more than k versions behind the step that would train it is dropped
+and the batch they would join (counting the groups ahead of them) is at most k versions ahead of the
+engine's weights; a finished group is scored and joins the open batch (completion order: a long
+group does not hold a batch back). A group whose oldest token is still more than k versions behind
+the step that trains it (overtaken by later groups while the weights moved on) is dropped
 (`algo.stale_groups=drop`, counted) or trained with its staleness logged (`keep`; the objective's
 correction, TIS or the rollout log-probs as the old policy, weighs it). Batch b is step b's rollout.
 
@@ -24,6 +25,8 @@ Two schedules:
 - `deterministic`: the engine loads version v exactly when the generator closes batch v + k, and
   not before: the interleaving of chunks and pushes is a function of counts, so two runs with one
   seed generate the same tokens, and the trainer waits for the generator to ask for its weights.
+  The admission rule then fills exactly the open batch, so each batch is sampled by one version
+  (v for batch v + k + 1) and none is dropped; trajectories that span versions come with `clock`.
 
 The buffer (admitted groups with their partial trajectories and versions, finished groups, closed
 batches, the prompt stream's position) is snapshotted at every push, under the engine lock, where
@@ -127,10 +130,14 @@ class AsyncBuffer:
         return max(0, min(self.closed, self.total_batches) - self.k)
 
     def may_admit(self) -> bool:
-        """A new group would join batch closed + 1 (or later): admit it while fewer than a batch's
-        worth of groups are in flight and the engine is at most k versions behind that batch."""
-        return (not self.done and len(self.active) < self.groups_per_batch
-                and self.version >= self.closed - self.k)
+        """Admit a new group while fewer than a batch's worth are in flight and the batch it would
+        join, counting the groups ahead of it (finished in the open batch, or in flight), is at
+        most k versions ahead of the engine's weights. Under `deterministic` (version = closed - k)
+        that admits exactly what fills the open batch: nothing is in flight when a batch closes."""
+        if self.done or len(self.active) >= self.groups_per_batch:
+            return False
+        ahead = (len(self.open_batch) + len(self.active)) // self.groups_per_batch
+        return self.closed + ahead - self.version <= self.k
 
     def admit(self, prompt, prompt_ids: Sequence[int]) -> Group:
         group = Group(self.admitted, prompt, [Trajectory(list(prompt_ids)) for _ in range(self.n)])

@@ -86,32 +86,60 @@ def summary(batches):
 
 def test_a_hand_traced_deterministic_schedule():
     """B = 2 groups of 1 sample, k = 1, chunks of 2, at most 8 tokens; group i's prompt is [i].
-    Lengths: g1 runs to 8 tokens, g4 to 4, the rest stop at 2 (EOS). Traced by hand:
+    Lengths: g1 runs to 8 tokens, g4 to 4, the rest stop at 2 (EOS). A group is admitted while
+    (batches closed) + (groups ahead of it) // B - version <= k. Traced by hand:
     chunk 1 (v0): admit g0 g1; g0 done -> open [g0]
-    chunk 2 (v0): admit g2; g2 done -> batch 1 = [g0, g2]; closed 1, required version 0
-    chunk 3 (v0): admit g3; g3 done -> open [g3]
-    chunk 4 (v0): admit g4; g1 done (8 tokens) -> batch 2 = [g3, g1]; closed 2, required 1: wait
-    push v1; chunk 5 (v1): admit g5; g4 done with versions [0, 0, 1, 1] and g5: g4 would train at
-    step 3 from version 0, 2 > k behind -> dropped; open [g5]
-    chunk 6 (v1): admit g6, done -> batch 3 = [g5, g6] (1 dropped)."""
+    chunk 2 (v0): admit g2 (1 ahead: 0 + 1 - 0 <= 1); g2 done -> batch 1 = [g0, g2]; required version 0
+    chunk 3 (v0): admit g3 (g1 ahead, 0 full batches); g3 done -> open [g3]
+    chunk 4 (v0): no admission (1 + 1 - 0 > 1); g1 done (8 tokens) -> batch 2 = [g3, g1]; required 1: wait
+    push v1; chunk 5 (v1): admit g4 g5; g5 done -> open [g5]
+    chunk 6 (v1): g4 done (4 tokens) -> batch 3 = [g5, g4]. Nothing in flight at a close: none dropped."""
     lengths = {i: 2 for i in range(100)}
     lengths.update({1: 8, 4: 4})
     eng = StandInEngine(lengths)
     buf, gen = make(eng, k=1, groups=2, total=3, prompts=range(100))
     batches = train(gen, 3, engine=eng)
-    assert [[g.index for g in b.groups] for b in batches] == [[0, 2], [3, 1], [5, 6]]
-    assert [b.dropped for b in batches] == [0, 0, 1]
+    assert [[g.index for g in b.groups] for b in batches] == [[0, 2], [3, 1], [5, 4]]
+    assert [b.dropped for b in batches] == [0, 0, 0]
     assert [t.versions for g in batches[1].groups for t in g.trajectories] == [[0, 0], [0] * 8]
-    assert [t.versions for g in batches[2].groups for t in g.trajectories] == [[1, 1], [1, 1]]
+    assert [t.versions for g in batches[2].groups for t in g.trajectories] == [[1, 1], [1] * 4]
     assert [w for w, _, _ in eng.calls] == [0, 0, 0, 0, 1, 1]  # the engine's version at each chunk
-    # keep: g4 trains at step 3 with tokens of two versions
-    eng = StandInEngine(lengths)
-    _, gen = make(eng, k=1, groups=2, total=3, drop=False, prompts=range(100))
-    batches = train(gen, 3, engine=eng)
-    assert [[g.index for g in b.groups] for b in batches] == [[0, 2], [3, 1], [4, 5]]
-    assert [t.versions for t in batches[2].groups[0].trajectories] == [[0, 0, 1, 1]]
-    samples = batch_samples(batches[2])
-    assert [s.group for s in samples] == [0, 1] and samples[0].extra["versions"] == [0, 0, 1, 1]
+    assert [len(sizes) for _, sizes, _ in eng.calls] == [2, 2, 2, 1, 2, 1]  # trajectories per chunk
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_a_group_overtaken_while_the_weights_move_spans_versions_and_is_dropped_or_kept(drop):
+    """The buffer's transitions by hand (what `clock` does when the trainer runs ahead): B = 2, k = 1.
+    g0 is admitted with g1 at version 0 and is overtaken twice; its tokens come from versions 0, 1
+    and 2, and it would train at step 3, two versions after its first token: dropped, or kept."""
+    buf = AsyncBuffer(groups_per_batch=2, n=1, k=1, total_batches=9, drop_stale=drop)
+    g0, g1 = buf.admit("p0", [0]), buf.admit("p1", [1])
+    buf.extend(g0.trajectories[0], [5], [-0.1], "length", 8)
+    buf.extend(g1.trajectories[0], [1], [-0.2], "stop", 8)
+    buf.complete(g1)
+    assert buf.may_admit()  # one ahead of it in flight, one finished: it would join batch 1
+    g2 = buf.admit("p2", [2])
+    buf.extend(g2.trajectories[0], [1], [-0.3], "stop", 8)
+    buf.complete(g2)
+    assert buf.closed == 1 and [g.index for g in buf.ready[0].groups] == [1, 2]
+    assert buf.may_admit()  # g3 would join batch 2 (g0 ahead, no full batch): 1 + 0 - 0 <= 1
+    g3 = buf.admit("p3", [3])
+    buf.extend(g3.trajectories[0], [1], [-0.4], "stop", 8)
+    buf.complete(g3)
+    assert not buf.may_admit()  # g3 finished and g0 in flight fill batch 2: a new one joins batch 3, 2 ahead of v0
+    buf.version = 1  # the push of step 1
+    assert buf.may_admit()
+    buf.extend(g0.trajectories[0], [6], [-0.5], "length", 8)
+    g4 = buf.admit("p4", [4])
+    buf.extend(g4.trajectories[0], [1], [-0.6], "stop", 8)
+    buf.complete(g4)
+    assert buf.closed == 2 and [g.index for g in buf.ready[1].groups] == [3, 4]
+    buf.version = 2
+    buf.extend(g0.trajectories[0], [1], [-0.7], "stop", 8)
+    assert g0.trajectories[0].versions == [0, 1, 2] and g0.oldest_version == 0
+    buf.complete(g0)  # would train at step 3: 3 - 1 - 0 = 2 > k
+    assert (buf.open_dropped, buf.open_batch) == (([g0], []) if drop else ([], [g0]))
+    assert buf.may_admit() and len(buf.active) == 0
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
