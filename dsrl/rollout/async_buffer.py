@@ -88,11 +88,14 @@ class Batch:
     """One step's groups, in completion order, and the groups dropped while it was open."""
     index: int  # 1-based: the step that trains it
     groups: List[Group]
-    dropped: int = 0
     dropped_ids: List[int] = field(default_factory=list)  # admission indices of the dropped groups
     dropped_samples: int = 0
     dropped_reward_sum: float = 0.0
     dropped_length_sum: int = 0
+
+    @property
+    def dropped(self) -> int:
+        return len(self.dropped_ids)
 
 
 @dataclass
@@ -174,7 +177,7 @@ class AsyncBuffer:
             self.open_batch.append(group)
         if len(self.open_batch) == self.groups_per_batch:
             dropped = self.open_dropped
-            self.ready.append(Batch(trained_at, self.open_batch, dropped=len(dropped), dropped_ids=[g.index for g in dropped],
+            self.ready.append(Batch(trained_at, self.open_batch, dropped_ids=[g.index for g in dropped],
                                     dropped_samples=sum(len(g.trajectories) for g in dropped),
                                     dropped_reward_sum=sum(sum(g.rewards) for g in dropped),
                                     dropped_length_sum=sum(len(t.response_ids) for g in dropped
@@ -321,7 +324,7 @@ class AsyncGenerator:
         with self.cond:
             while not self.buffer.ready:
                 self._raise_error()
-                if self.thread is not None and not self.thread.is_alive() and not self.buffer.ready:
+                if self.thread is not None and not self.thread.is_alive():
                     raise RuntimeError(f"the asynchronous rollout thread ended before step {step}'s batch closed")
                 self.cond.wait(timeout=1.0)
             return self.buffer.take(step)

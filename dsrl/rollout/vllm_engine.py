@@ -64,11 +64,17 @@ def engine_env(kv_cache_gib: int, local_rank: int, local_world: int, *, multipro
     if not torch.cuda.is_available():
         env.update({
             "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
-            "VLLM_CPU_OMP_THREADS_BIND": cores or cpu_core_range(usable_core_ids(), local_rank, local_world),
+            "VLLM_CPU_OMP_THREADS_BIND": engine_core_range(local_rank, local_world, cores),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
         })
     return env
+
+
+def engine_core_range(local_rank, local_world, cores="") -> str:
+    """The cores a rank's CPU engine runs on: `cores` (rollout.engine_cores), else the rank's even
+    share of the usable ones."""
+    return cores or cpu_core_range(usable_core_ids(), int(local_rank or 0), int(local_world or 1))
 
 
 def bind_engine_process(local_rank=0, local_world=1, cores="") -> List[int]:
@@ -80,7 +86,7 @@ def bind_engine_process(local_rank=0, local_world=1, cores="") -> List[int]:
     pinned there, core 1 idle). Returns the cores (none on CUDA)."""
     if torch.cuda.is_available():
         return []
-    ids = parse_core_list(cores or cpu_core_range(usable_core_ids(), int(local_rank or 0), int(local_world or 1)))
+    ids = parse_core_list(engine_core_range(local_rank, local_world, cores))
     os.sched_setaffinity(0, ids)
     torch.set_num_threads(len(ids))
     return ids

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 import time
 from typing import List
 
@@ -189,15 +190,16 @@ class RolloutStage:
         counts = {"samples": len(samples), "staleness_sum": float(sum(lags)), "staleness_max": float(max(lags)),
                   "tokens": len(token_lags), "token_lag_sum": float(sum(token_lags)),
                   "dropped_groups": batch.dropped, "engine_seconds": gen.generation_seconds}
-        for j in range(k + 2):  # staleness histogram (samples), and trained tokens per version lag
-            counts[f"staleness_hist/{j}"] = sum(1 for x in lags if x == j or (j == k + 1 and x > k))
-            counts[f"tokens_lag/{j}"] = sum(1 for x in token_lags if x == j or (j == k + 1 and x > k))
+        # staleness histogram (samples) and trained tokens per version lag; bucket k + 1: more than k
+        by_lag, tokens_by_lag = Counter(min(x, k + 1) for x in lags), Counter(min(x, k + 1) for x in token_lags)
+        for j in range(k + 2):
+            counts[f"staleness_hist/{j}"], counts[f"tokens_lag/{j}"] = by_lag[j], tokens_by_lag[j]
         gen.generation_seconds = 0.0
         rewards = [s.reward for s in samples]
         out = Rollout(samples=samples, kept_groups=len(batch.groups), generated=len(samples) + batch.dropped_samples,
                       reward_sum=sum(rewards) + batch.dropped_reward_sum,
                       length_sum=sum(len(s.response_ids) for s in samples) + batch.dropped_length_sum,
-                      weights_step=min(min(s.extra["versions"]) for s in samples) if samples else self.state.weights_step,
+                      weights_step=step - 1 - max(lags),  # the oldest token's version
                       seconds=time.perf_counter() - t0, async_counts=counts)
         out.fault_counts = pop_counts(*self.fault_counters)
         out.source_metrics = source_metrics(self.source)
