@@ -84,6 +84,7 @@ HEAVY_FIRST = (  # measured seconds per file, largest first (a full run's --dura
     "tests/e2e/test_e2e_resume.py",
     "tests/rollout/test_engine_restart.py",
     "tests/e2e/test_e2e_async.py",
+    "tests/e2e/test_e2e_agent_endpoint.py",
     "tests/e2e/test_e2e_ray.py",
     "tests/rollout/test_ray_engines.py",
     "tests/serve/test_serve_soak.py",
