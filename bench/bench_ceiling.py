@@ -173,7 +173,7 @@ def rollout_rates(trainer, rounds: int) -> dict:
     from dsrl.rollout.seeds import request_seeds
 
     cfg, a = trainer.cfg, trainer.cfg.algo
-    engine = trainer.worker.worker  # ResilientWorker -> VLLMWorker (its engine's own run: no dsrl stage)
+    vllm_worker = trainer.worker.worker  # ResilientWorker -> VLLMWorker (its engine's own run: no dsrl stage)
     rows = {"dsrl": [], "engine": []}
 
     def stage(step):
@@ -188,7 +188,7 @@ def rollout_rates(trainer, rounds: int) -> dict:
         params = [SamplingParams(n=a.n_samples_per_prompt, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                  max_tokens=cfg.rollout.max_new_tokens, logprobs=0, seed=int(s)) for s in seeds]
         t0 = time.perf_counter()
-        outs = engine.run([{"prompt_token_ids": list(p)} for p in prompts], params)
+        outs = vllm_worker.run([{"prompt_token_ids": list(p)} for p in prompts], params)
         seconds = time.perf_counter() - t0
         tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
         return tokens / seconds, tokens
