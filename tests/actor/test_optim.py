@@ -1,7 +1,8 @@
 """The optimizer step's fast paths (dsrl.actor.optim, dsrl.actor.nonfinite): the fused AdamW makes
 the for-loop AdamW's update; the single-rank ZeRO-0 engine skips DeepSpeed's gradient all-reduce
 and trains bit-identically to the engine that runs it; the one-pass finiteness check agrees with
-the element-wise one, overflowing norms included."""
+the element-wise one, overflowing norms included; the logged gradient norm, now read from bf16
+gradients without float32 copies, is the norm of the copies bit for bit."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsrl.actor.nonfinite import local_grads_finite
+from dsrl.actor.nonfinite import fp32_grad_norm, grads_finite, local_grads_finite
 from dsrl.actor.optim import adamw
 
 
@@ -98,3 +99,35 @@ def test_single_rank_zero0_skips_the_allreduce_and_trains_the_same(tiny_model_pa
     assert len(calls) >= 2  # the forced engine did reduce (at the boundary of each step, and in engine.step)
     _assert_equal(a[0], b[0], "weights")
     _assert_equal(a[1], b[1], "optimizer state")
+
+
+def _model_shaped_grads(dtype, seed: int, scales) -> list:
+    """Gradients with SmolLM2's tensor shapes (an embedding, a layer's projections and norms),
+    each at its own scale, in `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(4096, 576), (576, 576), (192, 576), (1536, 576), (576, 1536), (576,), (576,)]
+    return [(torch.randn(shape, generator=g) * scale).to(dtype) for shape, scale in zip(shapes, scales)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("seed, scales", [(0, [1e-3] * 7), (1, [1e-6, 1e-2, 3.0, 1e-4, 5e-3, 1e-8, 100.0]),
+                                          (2, [7e-5, 7e-5, 1e-1, 2e-2, 9e-7, 1.0, 1e-3])])
+def test_the_one_pass_norm_is_the_norm_of_float32_copies(dtype, seed, scales):
+    grads = _model_shaped_grads(dtype, seed, scales)
+    reference = torch.nn.utils.get_total_norm([g.float() for g in grads], foreach=True)
+    norm = fp32_grad_norm(grads)
+    assert norm.dtype == torch.float32 and torch.equal(norm, reference), (norm.item(), reference.item())
+    # an independent float64 computation agrees to float32 accumulation over 2.4M elements (4e-5 seen)
+    exact = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+    assert abs(norm.item() - exact.item()) <= 2e-4 * exact.item()
+    assert fp32_grad_norm([]).item() == 0.0
+
+
+def test_a_given_norm_settles_finiteness_and_an_overflowing_one_is_checked_element_wise():
+    grads = _model_shaped_grads(torch.bfloat16, 3, [1e-3] * 7)
+    assert grads_finite(grads, fp32_grad_norm(grads)) is True
+    grads[4][7, 11] = float("nan")
+    assert grads_finite(grads, fp32_grad_norm(grads)) is False
+    big = [torch.full((4,), 3e38, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16)]
+    assert not torch.isfinite(fp32_grad_norm(big))  # the squares overflow float32
+    assert grads_finite(big, fp32_grad_norm(big)) is True
