@@ -71,6 +71,11 @@ def _fp32_copies(opt) -> Optional[list]:
     return None if hp is None else list(hp)
 
 
+def _module_grads(ds_engine) -> list:
+    """The gradients on the engine's module parameters (ZeRO-0 keeps them there)."""
+    return [p.grad for p in ds_engine.module.parameters() if p.grad is not None]
+
+
 def _held_gradients(ds_engine) -> list:
     """The gradient tensors this rank holds after the accumulation boundary, where the engine's
     ZeRO stage keeps them: ZeRO-0 `param.grad` (bf16: BF16_Optimizer's fp32 copies), ZeRO-1/2/3
@@ -78,9 +83,7 @@ def _held_gradients(ds_engine) -> list:
     opt = ds_engine.optimizer
     if ds_engine.zero_optimization_stage() == 0:
         hp = _fp32_copies(opt)
-        if hp is not None:
-            return hp
-        return [p.grad for p in ds_engine.module.parameters() if p.grad is not None]
+        return hp if hp is not None else _module_grads(ds_engine)
     out = []
     for grads in getattr(opt, "averaged_gradients", {}).values():
         if torch.is_tensor(grads):
@@ -156,7 +159,7 @@ def guarded_step(ds_engine, zero_stage: int, bad_loss: bool) -> "tuple[float, bo
     ds_engine.set_gradient_accumulation_boundary(True)
     pre_norm = None
     if zero_stage == 0:  # DeepSpeed records the norm only for ZeRO optimizers
-        module_grads = [p.grad.detach() for p in ds_engine.module.parameters() if p.grad is not None]
+        module_grads = _module_grads(ds_engine)
         pre_norm = fp32_grad_norm(module_grads)
         hp = _fp32_copies(ds_engine.optimizer)  # a BF16_Optimizer holds them; else the module's are held
         finite = grads_finite(hp) if hp is not None else grads_finite(module_grads, pre_norm)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import Counter
 import time
+from collections import Counter
 from typing import List
 
 from dsrl.actor.batch import Sample
