@@ -12,6 +12,16 @@ samples (max |delta log p| of the standalone scoring pass) and the pad fraction 
     python bench/bench_train.py bench.rounds=1 model.path=tiny    # quick
     python bench/bench_train.py bench.max_tokens=2048 model.dtype=float32
     python bench/bench_train.py bench.samples=/tmp/rollout.pkl   # keep the rollout; a re-run reuses it
+    python bench/bench_train.py bench.split=0                    # without the matmul / rest split
+
+The split (bench.split=1, the default) explains the ratio from this machine's own costs: each
+layout's train phase is recorded once (every matrix multiply, backward included, as in
+`bench_ceiling.py`), the multiplies are replayed alone, and the phase's median time is divided into
+the multiplies (the replay), the optimizer step (timed inside the phase; the same work in every
+layout) and the rest (attention's softmax and masks, norms, casts, log-softmax, packing, Python).
+Then it projects shared/dense onto a machine whose multiplies run s times faster with the rest
+unchanged (an AMX core against AVX-512 BF16: the multiplies are what AMX speeds up):
+(m_shared / s + rest_shared) / (m_dense / s + rest_dense).
 """
 from __future__ import annotations
 
@@ -37,7 +47,7 @@ def modes_of(budgets):
 
 
 def _parse(argv):
-    opts = {"rounds": 2, "max_tokens": [1024]}
+    opts = {"rounds": 2, "max_tokens": [1024], "split": 1}
     overrides = []
     for a in argv:
         if a.startswith("bench."):
@@ -58,6 +68,42 @@ def _agreement(trainer, samples):
         actor._shared_prompt_decision = SharedPromptDecision(on, "bench")
         out[on] = trainer.scoring.score(actor, samples, "bench")
     return max(float((a - b).abs().max()) for a, b in zip(out[True], out[False]))
+
+
+class StepClock:
+    """Seconds spent in the actor's optimizer step, per train phase (wraps the bound method)."""
+
+    def __init__(self, actor):
+        import time
+
+        self.seconds = 0.0
+        step = actor.optimizer_step
+
+        def timed():
+            t0 = time.perf_counter()
+            try:
+                return step()
+            finally:
+                self.seconds += time.perf_counter() - t0
+        actor.optimizer_step = timed
+
+    def pop(self) -> float:
+        out, self.seconds = self.seconds, 0.0
+        return out
+
+
+def split_table(med, opt, matmul, flops) -> list:
+    """Rows (name, measured, multiplies, optimizer, rest) of each layout, from median phase time,
+    median optimizer-step time and the replayed multiplies' time."""
+    return [(n, med[n], matmul[n], opt[n], med[n] - matmul[n] - opt[n], flops[n]) for n in med if n in matmul]
+
+
+def projected_ratio(shared, dense, speedup: float) -> float:
+    """shared/dense if the multiplies ran `speedup` times faster and the rest did not; rows as
+    split_table's (name, measured, multiplies, optimizer, rest, flops)."""
+    def t(row):
+        return row[2] / speedup + row[3] + row[4]
+    return t(shared) / t(dense)
 
 
 def main(argv) -> int:
@@ -107,16 +153,21 @@ def main(argv) -> int:
               f"pad_fraction={m['train/pad_fraction']:.3f} loss={m['train/loss']:+.4f}", flush=True)
         return t, m
 
+    clock = StepClock(trainer.actor)
     run(*modes[0], 0)  # warm-up (allocator, kernels, DeepSpeed's first step); not counted
+    clock.pop()
     times = {name: [] for name, _, _ in modes}
+    opt_times = {name: [] for name, _, _ in modes}
     pads = {}
     for r in range(opts["rounds"]):
         order = modes if r % 2 == 0 else modes[::-1]  # ABCD, DCBA, ...
         for name, shared, budget in order:
             t, m = run(name, shared, budget, r + 1)
             times[name].append(t)
+            opt_times[name].append(clock.pop())
             pads[name] = m["train/pad_fraction"]
     med = {k: statistics.median(v) for k, v in times.items()}
+    opt_med = {k: statistics.median(v) for k, v in opt_times.items()}
     print(f"\n== train phase, medians over {opts['rounds']} round(s) ==")
     for name in med:
         print(f"{name:13s} {med[name]:6.2f}s  pad_fraction {pads[name]:.3f}")
@@ -129,7 +180,31 @@ def main(argv) -> int:
         print(f"shared+budget {b} / shared+budget {opts['max_tokens'][0]}:{' ' * 18}"
               f"{med[f'shared/budget{b}'] / med['shared/budget']:.3f}")
     print(f"actor.shared_prompt={cfg0.actor.shared_prompt} decided: {auto.reason}")
+    if opts["split"]:
+        _print_split(trainer, samples, modes, run, med, opt_med, opts["rounds"] + 1)
     return 0
+
+
+def _print_split(trainer, samples, modes, run, med, opt_med, step) -> None:
+    from bench_ceiling import ceiling, recorded
+
+    matmul, flops = {}, {}
+    for name, shared, budget in modes[:4]:
+        _, counts, _ = recorded(lambda: run(name, shared, budget, step))
+        flops[name], matmul[name] = ceiling(counts)
+        step += 1
+    rows = split_table(med, opt_med, matmul, flops)
+    print(f"\n== where each layout's train phase goes (medians; multiplies replayed alone) ==")
+    print(f"{'layout':13s} {'measured':>9s} {'multiplies':>11s} {'optimizer':>10s} {'rest':>7s} {'TFLOP':>7s}")
+    for name, t, m, o, rest, f in rows:
+        print(f"{name:13s} {t:8.2f}s {m:10.2f}s {o:9.2f}s {rest:6.2f}s {f / 1e12:7.3f}")
+    by = {r[0]: r for r in rows}
+    for kind in ("count", "budget"):
+        d, sh = by[f"dense/{kind}"], by[f"shared/{kind}"]
+        print(f"\nshared/dense, {kind} microbatches ({d[0]} {sh[0]}), by part: multiplies {sh[2] / d[2]:.3f}, "
+              f"optimizer {sh[3] / d[3]:.3f}, rest {sh[4] / d[4]:.3f}, matmul FLOPs {sh[5] / d[5]:.3f}; all {sh[1] / d[1]:.3f}")
+        print("  projected where the multiplies run s x faster and the rest does not: "
+              + "   ".join(f"s={s:g}: {projected_ratio(sh, d, s):.3f}" for s in (1, 2, 3, 4, 6)))
 
 
 if __name__ == "__main__":

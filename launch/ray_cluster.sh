@@ -36,6 +36,10 @@ NODE_OPTS=()
 [ -z "${RAY_TEMP_DIR:-}" ] || NODE_OPTS+=("--temp-dir=$RAY_TEMP_DIR")
 [ -z "${RAY_NUM_CPUS:-}" ] || NODE_OPTS+=("--num-cpus=$RAY_NUM_CPUS")
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
+# On SIGTERM (ray stop; a SLURM job's end) Ray drains a node for up to 30 s before it stops, for Ray
+# Serve's proxies. Nothing here serves: with the drain, a finished or failed SLURM job stayed
+# COMPLETING ~30 s longer, holding its nodes (tests/multinode, the SLURM job). 0: stop at once.
+export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}"
 
 node_options() {  # [--num-gpus N] [--block] -> ray start's options (checked)
   while [ $# -gt 0 ]; do
