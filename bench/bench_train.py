@@ -189,6 +189,7 @@ def _print_split(trainer, samples, modes, run, med, opt_med, step) -> None:
     from bench_ceiling import ceiling, recorded
 
     matmul, flops = {}, {}
+    print("\nrecording each layout's multiplies: one more pass each, slowed by the recorder, not counted")
     for name, shared, budget in modes[:4]:
         _, counts, _ = recorded(lambda: run(name, shared, budget, step))
         flops[name], matmul[name] = ceiling(counts)
