@@ -31,6 +31,7 @@ import pickle
 import statistics
 import sys
 import tempfile
+import time
 
 DEFAULTS = ["+exp=grpo_reuse", "algo.skip_zero_variance_groups=false", "trainer.eval_before=false",
             "trainer.eval_after=false", "trainer.save_final=false", "logger.progress=false", "logger.plot=false",
@@ -74,8 +75,6 @@ class StepClock:
     """Seconds spent in the actor's optimizer step, per train phase (wraps the bound method)."""
 
     def __init__(self, actor):
-        import time
-
         self.seconds = 0.0
         step = actor.optimizer_step
 
@@ -181,11 +180,11 @@ def main(argv) -> int:
               f"{med[f'shared/budget{b}'] / med['shared/budget']:.3f}")
     print(f"actor.shared_prompt={cfg0.actor.shared_prompt} decided: {auto.reason}")
     if opts["split"]:
-        _print_split(trainer, samples, modes, run, med, opt_med, opts["rounds"] + 1)
+        _print_split(modes, run, med, opt_med, opts["rounds"] + 1)
     return 0
 
 
-def _print_split(trainer, samples, modes, run, med, opt_med, step) -> None:
+def _print_split(modes, run, med, opt_med, step) -> None:
     from bench_ceiling import ceiling, recorded
 
     matmul, flops = {}, {}

@@ -405,10 +405,12 @@ def _slurm_job(two_nodes, tmp_path) -> None:
     # ~26 s after the job had ended, measured), so the test asks scontrol itself.
     state, end, exited = "", time.time() + 240, None
     while time.time() < end:
-        if exited is None and "trainer exit status" in text():
-            exited = time.time()
         state = subprocess.run([str(SCRIPT_NETNS), "exec", two_nodes.name, "0", "scontrol", "show", "job", job_id],
                                capture_output=True, text=True, timeout=60).stdout
+        # read after the state: the script's last line precedes its job's end, so it is seen by the
+        # time the end is
+        if exited is None and "trainer exit status" in text():
+            exited = time.time()
         if re.search(r"JobState=(FAILED|COMPLETED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY)\b", state):
             break
         time.sleep(0.2)
@@ -416,9 +418,10 @@ def _slurm_job(two_nodes, tmp_path) -> None:
         raise AssertionError(f"the SLURM job still ran 240 s after host 1's Ray node was killed:\n{state}\n{tail()}")
     noticed = time.time() - killed
     # The job's batch script ended; its Ray steps stop at once (no 30 s drain on SIGTERM:
-    # launch/ray_cluster.sh), so the job leaves COMPLETING within seconds (measured ~3 s; ~30 s with
-    # Ray's drain).
-    completing = time.time() - (exited or killed)
+    # launch/ray_cluster.sh), so the job leaves COMPLETING within seconds (measured 0.7-3 s; ~30 s
+    # with Ray's drain).
+    assert exited is not None, tail()
+    completing = time.time() - exited
     assert completing < 20, (completing, state)
     sbatch.terminate()  # its wait is over (the job's exit code is checked through scontrol below)
     sbatch.wait(timeout=30)
