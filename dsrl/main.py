@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from typing import NamedTuple
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -140,6 +141,30 @@ def _stop_on_signals(trainer):
 
 def build(cfg_node: DictConfig, run_dir: str):
     """Validate the config (before anything heavy), then build the components into a Trainer."""
+    from dsrl.heap import imports_uncollected
+
+    with imports_uncollected():  # the collector skips the imported objects from then on (dsrl/heap.py)
+        start = _prepare(cfg_node, run_dir)
+    return _build(start, run_dir)
+
+
+class _Start(NamedTuple):
+    """What `_prepare` found and built before any engine."""
+    cfg: object
+    auto_keys: tuple
+    decision: object
+    cache: str
+    model_path: str
+    source: object
+    verifier: object
+    eval_verifier: object
+    resume_point: object
+    tokenizer: object
+
+
+def _prepare(cfg_node: DictConfig, run_dir: str):
+    """Everything before the engines: the config validated and resolved, the data, the reward, the
+    process group, the resume point, the tokenizer; all checks that need no model."""
     from dsrl.config.schema import to_config
     from dsrl.validation.reuse import decide_reuse, reuse_for_model_config
     from dsrl.validation.validate import validate
@@ -159,7 +184,6 @@ def build(cfg_node: DictConfig, run_dir: str):
     from dsrl.data.registry import build_source
     from dsrl.distributed.ranks import is_main_rank, world_size
     from dsrl.reward.registry import build_verifier, verifier_for_source
-    from dsrl.rollout.factory import build_rollout
     from dsrl.setup_assets import default_cache_dir, resolve_model_path
     from dsrl.tracking.console import prints_to_log
 
@@ -202,6 +226,14 @@ def build(cfg_node: DictConfig, run_dir: str):
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     check_prompt_lengths(source, tokenizer, cfg)  # over-long prompts: named error or skipped, before any engine
+    return _Start(cfg, auto_keys, decision, cache, model_path, source, verifier, eval_verifier, resume_point, tokenizer)
+
+
+def _build(start: _Start, run_dir: str):
+    """The rollout engines, then the DeepSpeed engines and the Trainer (restored from the resume point)."""
+    from dsrl.rollout.factory import build_rollout
+
+    cfg, model_path = start.cfg, start.model_path
     # vLLM engines before the models (a colocated engine sizes its memory first); the hf backend
     # after the actor, whose module it shares (built in _build_trainer).
     worker = None
@@ -214,10 +246,11 @@ def build(cfg_node: DictConfig, run_dir: str):
     try:
         with _starting("the DeepSpeed engines (actor, reference, teacher, critic)",
                        "actor.zero_stage, actor.micro_batch_size, model.dtype, model.path"):
-            trainer = _build_trainer(cfg, model_path, cache, worker, tokenizer, source, verifier, decision, run_dir,
-                                     auto_keys, eval_verifier=eval_verifier)
-        if resume_point is not None:
-            trainer.restore(resume_point)
+            trainer = _build_trainer(cfg, model_path, start.cache, worker, start.tokenizer, start.source,
+                                     start.verifier, start.decision, run_dir, start.auto_keys,
+                                     eval_verifier=start.eval_verifier)
+        if start.resume_point is not None:
+            trainer.restore(start.resume_point)
         return trainer
     except BaseException:
         if worker is not None:

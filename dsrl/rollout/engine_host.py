@@ -174,10 +174,11 @@ class EngineHost:
 def serve(conn: Connection) -> int:
     """The child: build the engine, then answer calls until `close` or the parent's end closes."""
     model_path, engine_kwargs = conn.recv()
-    from dsrl.rollout.vllm_engine import VLLMEngine, bind_engine_process
+    from dsrl.rollout.vllm_engine import VLLMEngine, bind_engine_process, import_vllm_and_freeze
 
     try:
         bind_engine_process(**{k: engine_kwargs.get(k) for k in ("local_rank", "local_world", "cores")})
+        import_vllm_and_freeze()
         engine = VLLMEngine(model_path, **engine_kwargs, multiprocess=False)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", _portable(e)))
@@ -205,6 +206,9 @@ def serve(conn: Connection) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import gc
+
+    gc.disable()  # the imports before the engine (torch first): on again in import_vllm_and_freeze
     with contextlib.suppress(ImportError):
         import setproctitle
 

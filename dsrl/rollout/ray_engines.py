@@ -43,12 +43,13 @@ class EngineActor:
     """Runs in a Ray actor process: one VLLMWorker, its engine in this process (the actor's own)."""
 
     def __init__(self, worker_kwargs: dict):
-        from dsrl.rollout.vllm_engine import bind_engine_process
+        from dsrl.rollout.vllm_engine import bind_engine_process, import_vllm_and_freeze
         from dsrl.rollout.vllm_worker import VLLMWorker
 
         # This actor's process is the engine's alone: bind it to the engine's core share (vLLM binds
         # only the worker processes it spawns itself; an inline engine inherits the raylet's cores).
         bind_engine_process(**{k: worker_kwargs.get(k) for k in ("local_rank", "local_world", "cores")})
+        import_vllm_and_freeze()
         self.worker = VLLMWorker(**worker_kwargs, host="inline")
 
     def where(self) -> dict:

@@ -132,6 +132,17 @@ def eager_sampler_ops() -> None:
     torch._dynamo.config.disable = True
 
 
+def import_vllm_and_freeze() -> None:
+    """In a process that exists for its engine (the engine host's child, a Ray engine actor), before
+    the engine starts: vLLM imported with the garbage collector off, then everything alive frozen
+    out of its scans (dsrl/heap.py): vLLM's gc.collect() calls at the engine's start and close
+    take milliseconds instead of ~2 s. The same tokens and log-probs: tests/rollout/test_engine_host.py."""
+    from dsrl.heap import imports_uncollected
+
+    with imports_uncollected():
+        import vllm.entrypoints.llm  # noqa: F401 - the heavy imports, before the freeze
+
+
 DEFAULT_BUCKET_BYTES = 256 << 20  # push_weights(state dict): bucket size (the trainer sets rollout.sync_bucket_mb)
 
 def cuda_engine_kwargs(local_rank: int, colocated: bool) -> dict:

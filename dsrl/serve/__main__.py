@@ -72,12 +72,17 @@ def main(cfg_node: DictConfig) -> None:
     except ConfigError as e:
         print(f"dsrl: {e}", file=sys.stderr)
         sys.exit(2)
-    import torch
+    from dsrl.heap import imports_uncollected
 
-    from dsrl.distributed.ports import free_port
-    from dsrl.distributed.reaper import Reaper
-    from dsrl.serve.config import options_from_config
-    from dsrl.serve.server import build_service, serve_forever
+    with imports_uncollected():  # the collector skips the imported objects from then on (dsrl/heap.py)
+        import torch
+        import transformers  # noqa: F401 - loaded by the engines anyway
+
+        import dsrl.actor.engine  # noqa: F401 - DeepSpeed
+        from dsrl.distributed.ports import free_port
+        from dsrl.distributed.reaper import Reaper
+        from dsrl.serve.config import options_from_config
+        from dsrl.serve.server import build_service, serve_forever
 
     adopt_library_loggers()
     torch.set_num_threads(cfg.actor.num_threads)
