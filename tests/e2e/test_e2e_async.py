@@ -2,7 +2,8 @@
 algo.off_policy_steps=2 with algo.async_schedule=deterministic. One run A; a run B killed with
 SIGKILL right after its step-2 checkpoint (its engine generating the batches ahead), then resumed in
 its folder: B's metrics (the two steps before the kill, written by another process than A's, and
-the four after the resume) and its final weights equal A's bit for bit. The buffer logic itself:
+the three after the resume: batches 3 and 4 from the checkpoint's buffer, batch 5 sampled by the
+resumed engine) and its final weights equal A's bit for bit. The buffer logic itself:
 tests/rollout/test_async_buffer.py."""
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-STEPS = 6
+STEPS = 5
 ASYNC = [*TINY, f"trainer.total_steps={STEPS}", "trainer.save_every=1", "algo.off_policy_steps=2",
          "algo.async_schedule=deterministic", "algo.use_tis=true", "algo.reuse_logprobs=auto",
          "rollout.chunk_tokens=3"]
@@ -41,10 +42,10 @@ def test_deterministic_async_run_repeats_and_resumes_exactly_after_sigkill(tmp_p
     rows = metric_rows(a)
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     # version v loads when batch v + 2 closes: step s trains tokens of version max(0, s - 3)
-    assert [row["async/staleness_max"] for row in rows] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
-    assert [row["async/token_lag_mean"] for row in rows] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert [row["async/staleness_max"] for row in rows] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert [row["async/token_lag_mean"] for row in rows] == [0.0, 1.0, 2.0, 2.0, 2.0]
     lags = [[row[f"async/tokens_lag/{j}"] for j in range(4)] for row in rows]
-    assert [[j for j, n in enumerate(lag) if n] for lag in lags] == [[0], [1], [2], [2], [2], [2]]
+    assert [[j for j, n in enumerate(lag) if n] for lag in lags] == [[0], [1], [2], [2], [2]]
     # the checkpoint of step 2 holds the closed batches 3 and 4 (trained later) in its buffer
     state = torch.load(a / "checkpoints" / "step-000002" / "rank-0.pt", weights_only=False)["trainer"]["async_buffer"]
     assert (state["taken"], state["closed"], state["version"]) == (2, 4, 2)
