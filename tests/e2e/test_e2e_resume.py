@@ -7,14 +7,15 @@ step-s checkpoint (HF weights, DeepSpeed's weights and optimizer state, each ran
 state, the metrics) must equal A's step-s checkpoint bit for bit, timings aside, and no process of
 a stopped trainer may survive it. That the SIGTERM checkpoint itself resumes exactly is the same
 code path as the SIGKILL one (the newest complete checkpoint; tests/checkpoint covers the save
-side). Two ranks under ZeRO-3 (a resumed launch reproduces the uninterrupted launch's last step, eval
-and final weights): tests/e2e/test_e2e_ray.py; on two hosts: tests/multinode/test_two_nodes.py."""
+side). Two ranks under ZeRO-3: a resumed launch reproduces the uninterrupted launch's last step and
+final weights."""
 from __future__ import annotations
 
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,8 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-# TINY and metric_rows: for tests/multinode/test_two_nodes.py, which loads this module
-from e2e_jobs import STEPS, TINY, UNINTERRUPTED, job_cmd, job_env, metric_rows, untimed, untimed_metrics  # noqa: F401
+from e2e_jobs import STEPS, TINY, UNINTERRUPTED, job_cmd, job_env, metric_rows, untimed, untimed_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -135,3 +135,42 @@ def test_same_seed_same_run_and_exact_resume_through_sigkill_and_sigterm(tmp_pat
     assert (b / "checkpoints" / name / "COMPLETE.json").exists()
     _same_checkpoint(a / "checkpoints" / name, b / "checkpoints" / name)
     assert untimed_metrics(b) == untimed_metrics(a)[:step]
+
+
+def test_two_ranks_zero3_launch_and_resume_equals_the_uninterrupted_run(tmp_path, tiny_model_path):
+    """2 ranks (deepspeed launcher, gloo), ZeRO-3. Launch A: rollouts split across ranks, identical
+    parameters on every rank after each step (trainer.check_rank_sync raises otherwise), full
+    weights (gathered under ZeRO-3) pushed and probed on every rank's sampler. Launch C, resumed from
+    A's step-2 checkpoint into a new run folder, reproduces A's step 3 and final weights exactly.
+    The samplers are the in-process HF ones (rollout.backend=hf): what is checked is the ranks'
+    training and resume, and each vLLM worker would add two processes' start-up per launch; two
+    ranks with vLLM engines sharing ZeRO-3's gathered weights run in tests/e2e/test_e2e_ray.py."""
+    from dsrl.distributed.ports import free_port
+
+    deepspeed = Path(sys.executable).parent / "deepspeed"
+    env = job_env()
+    common = [*TINY, "rollout.backend=hf", "actor.zero_stage=3", "actor.stage3_param_persistence_threshold=0", "trainer.total_steps=3",
+              "trainer.save_every=2", "trainer.check_rank_sync=true", "trainer.eval_after=true"]
+
+    def launch(run_dir, *extra):
+        cmd = [str(deepspeed), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "dsrl.main",
+               *common, f"hydra.run.dir={run_dir}", *extra]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        return r.stdout + r.stderr
+
+    a, c = tmp_path / "a", tmp_path / "c"
+    out = launch(a)
+    assert "ranks: 2" in out
+    assert sorted(os.listdir(a / "checkpoints")) == ["step-000002"]
+    ma = untimed_metrics(a)
+    assert [m["step"] for m in ma] == [1, 2, 3]
+    for m in metric_rows(a):
+        assert m["rollout/logprob_diff"] < 1e-3  # ZeRO-3 gathered full weights reached both workers
+        assert m["rollout/sync_logprob_diff"] < 1e-4  # every rank's engine passed the probe after each sync
+        assert m["timing/old_logprobs"] == 0.0
+    out = launch(c, f"trainer.resume_from={a}")
+    assert "continuing after step 2" in out
+    assert untimed_metrics(c) == ma
+    wa, wc = load_file(str(a / "final_model" / "model.safetensors")), load_file(str(c / "final_model" / "model.safetensors"))
+    assert wa.keys() == wc.keys() and all(torch.equal(wa[k], wc[k]) for k in wa)
