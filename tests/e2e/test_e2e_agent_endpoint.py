@@ -34,9 +34,10 @@ def test_agent_endpoint_job_runs(tmp_path, tiny_model_path):
 
 
 # The preset as shipped (SmolLM2, examples/calculator_agent.py through the `openai` client, dtype auto),
-# shortened: 2 questions x 8 episodes per step, 10 steps, lr 5e-5 (the preset's 1e-5 needs ~15 steps
+# shortened: 2 questions x 8 episodes per step, 8 steps, lr 5e-5 (the preset's 1e-5 needs ~15 steps
 # of 64 episodes), no checkpoints
-LEARN_STEPS = 10
+LEARN_STEPS = 8
+HALF = LEARN_STEPS // 2
 LEARN = ["algo.rollout_batch_size=2", "algo.global_batch_size=16", "actor.lr=5e-5", f"trainer.total_steps={LEARN_STEPS}",
          "trainer.save_every=0", "trainer.save_final=false", "logger.plot=false", "logger.tensorboard=false"]
 
@@ -45,8 +46,9 @@ LEARN = ["algo.rollout_batch_size=2", "algo.global_batch_size=16", "actor.lr=5e-
 @pytest.mark.e2e
 def test_example_agent_learns_through_the_endpoint(tmp_path, smollm2_path):
     """Issue 19 §3: the calculator agent written against the `openai` client learns 2-digit sums
-    through the endpoint: last-5 mean reward at least 0.3 above the first 5 (measured on one core,
-    ~70 s: rewards 0.2 0 0.36 0.59 1.02 | 1.03 1.1 1.03 1.1 1.1, first-5 0.43 -> last-5 1.07), by
+    through the endpoint: last-4 mean reward at least 0.3 above the first 4. Measured
+    (AMD EPYC, bf16): 10 steps ~70 s on one core, rewards 0.2 0 0.36 0.59 1.02 | 1.03 1.1 1.03 1.1 1.1; 8 steps
+    42 s on 2 idle cores, rewards 0.2 0 0.36 0.6 | 1.09 1.03 1.1 1.03, first-4 0.29 -> last-4 1.06, by
     calling the tool (calls per episode rise towards 2: one tool call, then the answer)."""
     run_dir = tmp_path / "run"
     r = _run([*LEARN, f"model.path={smollm2_path}", f"hydra.run.dir={run_dir}"], timeout=900)
@@ -55,9 +57,11 @@ def test_example_agent_learns_through_the_endpoint(tmp_path, smollm2_path):
     assert [row["step"] for row in rows] == list(range(1, LEARN_STEPS + 1))
     assert all(row["agent/refused_requests"] == 0.0 and row["agent/split_episodes"] == 0.0 for row in rows)
     rewards = [row["agent/reward"] for row in rows]
-    assert statistics.mean(rewards[-5:]) - statistics.mean(rewards[:5]) >= 0.3, rewards
     calls = [row["agent/calls"] for row in rows]
-    assert statistics.mean(calls[-5:]) >= 1.5 > statistics.mean(calls[:2]), calls
+    print(f"calculator agent through the endpoint: rewards {[round(r, 2) for r in rewards]}, "
+          f"calls {[round(c, 2) for c in calls]}")
+    assert statistics.mean(rewards[-HALF:]) - statistics.mean(rewards[:HALF]) >= 0.3, rewards
+    assert statistics.mean(calls[-HALF:]) >= 1.5 > statistics.mean(calls[:2]), calls
 
 
 @pytest.mark.parametrize("overrides, fragments", [
