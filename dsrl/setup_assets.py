@@ -237,6 +237,8 @@ def warm_deepspeed_ops(cache_dir: Optional[PathLike] = None) -> Path:
     import deepspeed
     import torch.distributed as dist
 
+    from dsrl.distributed.shm_buffers import unlink_own_allreduce_buffer
+
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
                                             "LOCAL_RANK", "LOCAL_SIZE")}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
@@ -244,6 +246,7 @@ def warm_deepspeed_ops(cache_dir: Optional[PathLike] = None) -> Path:
     t0 = time.time()
     try:
         deepspeed.init_distributed(dist_backend="gloo")
+        unlink_own_allreduce_buffer(0)  # LOCAL_SIZE=1: DeepSpeed mapped one (one rank: nobody else opens it)
         # A collective makes sure the comm op really loaded.
         t = torch.ones(4)
         deepspeed.comm.all_reduce(t)

@@ -78,9 +78,6 @@ def init_distributed(timeout_s: Optional[float] = None) -> None:
         _unlink_shm_allreduce_buffer()
 
 
-SHM_ALLREDUCE_PREFIX = "/dev/shm/deepspeed_allreduce_buffer"
-
-
 def _unlink_shm_allreduce_buffer() -> None:
     """DeepSpeed's CPU backend, when every rank runs on this host (LOCAL_SIZE equals the world size,
     as its launcher sets), maps a 69 MB shared-memory buffer per rank for its shm allreduce, named
@@ -93,11 +90,10 @@ def _unlink_shm_allreduce_buffer() -> None:
     world = torch.distributed.get_world_size()
     if os.environ.get("LOCAL_SIZE") != str(world):  # DeepSpeed made no buffers (the same test on every rank)
         return
+    from dsrl.distributed.shm_buffers import unlink_own_allreduce_buffer
+
     torch.distributed.barrier()
-    name = (f"{SHM_ALLREDUCE_PREFIX}_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}")
-    with contextlib.suppress(FileNotFoundError):  # DeepSpeed's shm op not built here: no buffer
-        os.unlink(name)
+    unlink_own_allreduce_buffer(torch.distributed.get_rank())
 
 
 def close_distributed() -> None:

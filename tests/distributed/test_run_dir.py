@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsrl.actor.engine import SHM_ALLREDUCE_PREFIX
+from dsrl.distributed.shm_buffers import SHM_ALLREDUCE_PREFIX
 from dsrl.distributed import run_dir
 from dsrl.distributed.ports import free_port
 from dsrl.testing import subprocess_env
