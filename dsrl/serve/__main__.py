@@ -75,10 +75,10 @@ def main(cfg_node: DictConfig) -> None:
     from dsrl.heap import imports_uncollected
 
     with imports_uncollected():  # the collector skips the imported objects from then on (dsrl/heap.py)
+        import deepspeed  # noqa: F401 - the engines' imports, here to be frozen with the rest
         import torch
-        import transformers  # noqa: F401 - loaded by the engines anyway
+        import transformers  # noqa: F401
 
-        import dsrl.actor.engine  # noqa: F401 - DeepSpeed
         from dsrl.distributed.ports import free_port
         from dsrl.distributed.reaper import Reaper
         from dsrl.serve.config import options_from_config

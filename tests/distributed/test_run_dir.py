@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dsrl.distributed.shm_buffers import SHM_ALLREDUCE_PREFIX
 from dsrl.distributed import run_dir
 from dsrl.distributed.ports import free_port
+from dsrl.distributed.shm_buffers import SHM_ALLREDUCE_PREFIX
 from dsrl.testing import subprocess_env
 
 PROBE = Path(__file__).with_name("run_dir_probe.py")
