@@ -183,7 +183,7 @@ def _prepare(cfg_node: DictConfig, run_dir: str):
     from dsrl.data.lengths import check_prompt_lengths
     from dsrl.data.registry import build_source
     from dsrl.distributed.ranks import is_main_rank, world_size
-    from dsrl.reward.registry import build_verifier, verifier_for_source
+    from dsrl.reward.registry import build_eval_verifier, build_verifier
     from dsrl.setup_assets import default_cache_dir, resolve_model_path
     from dsrl.tracking.console import prints_to_log
 
@@ -202,8 +202,8 @@ def _prepare(cfg_node: DictConfig, run_dir: str):
     check_targets(cfg.actor.lora, model_path)  # actor.lora.target_modules matching no layer: ConfigError here
     source = build_source(cfg.data)
     verifier = build_verifier(cfg.reward, source)  # reward.url (a server), reward.fn, or the source's default
-    # The greedy eval's verifier: reward.eval_fn, else the training reward.
-    eval_verifier = verifier_for_source(source, cfg.reward.eval_fn) if cfg.reward.eval_fn else None
+    # The greedy eval's verifier: reward.eval_fn (under reward.strict too), else the training reward.
+    eval_verifier = build_eval_verifier(cfg.reward, source)
 
     with prints_to_log("DeepSpeed", verbose=cfg.logger.verbose):  # its op-loading notices go to run.log
         init_distributed(cfg.trainer.dist_timeout_s)

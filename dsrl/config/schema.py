@@ -351,6 +351,14 @@ class DataConfig:
     chat_template: bool = True
     # System prompt for the chat template ("" = none).
     system_prompt: str = ""
+    # reasoning_gym: the tasks to train on (reasoning-gym names, e.g. [chain_sum, basic_arithmetic]);
+    # training draws a task uniformly per prompt, the held-out set shares data.num_eval over them.
+    tasks: list = field(default_factory=list)
+    # reasoning_gym: each task's knobs, {task: {knob: value}}, passed to create_dataset(task, size, seed,
+    # **knobs) (e.g. {chain_sum: {min_terms: 2, max_terms: 2}}); an unknown knob is an error naming the task's.
+    knobs: dict = field(default_factory=dict)
+    # Text appended to each question (reasoning_gym, gsm8k); null = the source's own ("" = none).
+    instruction: Optional[str] = None
 
 
 @dataclass
@@ -373,6 +381,9 @@ class RewardConfig:
     retries: int = 2
     # Reward calls in flight at once per rank (a server is called concurrently).
     concurrency: int = 16
+    # Partial credit (a score strictly between 0 and 1, e.g. reasoning-gym's len(right)/len(answer) for an
+    # answer that contains the right one) becomes 0, in training and in the greedy eval.
+    strict: bool = False
 
 
 @dataclass

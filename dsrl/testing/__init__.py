@@ -81,3 +81,16 @@ def random_microbatch(seed: int, lengths) -> dict:
     mb = collate(samples, pad_id=0)
     mb["advantages"] = torch.randn(mb["loss_mask"].shape, generator=g) * mb["loss_mask"]
     return mb
+
+
+def compose_config(*overrides: str):
+    """The typed Config that `python -m dsrl.main OVERRIDES` would run with (conf/ composed by Hydra,
+    not yet validated)."""
+    from hydra import compose, initialize_config_dir
+
+    from dsrl.config.schema import register_configs, to_config
+
+    register_configs()
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        return to_config(compose(config_name="config", overrides=list(overrides)))
