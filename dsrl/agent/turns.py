@@ -17,8 +17,9 @@ from dsrl.data.chat import _ids
 _PLACEHOLDER = "\u2063DSRL_TURN\u2063"  # assistant content never seen in real text
 
 
-def _template(tokenizer: Any, messages: list, *, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+def _template(tokenizer: Any, messages: list, *, add_generation_prompt: bool, **template_kwargs) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                         **template_kwargs)
 
 
 def require_chat_template(tokenizer: Any, key: str = "rollout.env") -> None:
@@ -27,10 +28,12 @@ def require_chat_template(tokenizer: Any, key: str = "rollout.env") -> None:
                          f"{type(tokenizer).__name__} has none")
 
 
-def prompt_ids(tokenizer: Any, messages: list) -> List[int]:
-    """The first observation (system + user messages) ready for generation."""
-    require_chat_template(tokenizer)
-    return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+def prompt_ids(tokenizer: Any, messages: list, **template_kwargs) -> List[int]:
+    """The first observation (system + user messages) ready for generation. `template_kwargs`
+    go to apply_chat_template (e.g. `tools`, and `chat_template` for a template of dsrl's own)."""
+    if not template_kwargs.get("chat_template"):
+        require_chat_template(tokenizer)
+    return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs))
 
 
 class TurnRenderer:
@@ -40,12 +43,14 @@ class TurnRenderer:
     templates that insert a default system prompt when none is given render the same prefix in
     both texts and the difference is exactly the new part."""
 
-    def __init__(self, tokenizer: Any, system: Optional[dict] = None):
-        require_chat_template(tokenizer)
+    def __init__(self, tokenizer: Any, system: Optional[dict] = None, **template_kwargs):
+        if not template_kwargs.get("chat_template"):
+            require_chat_template(tokenizer)
         self.tokenizer = tokenizer
+        self.template_kwargs = template_kwargs  # what every rendering passes to apply_chat_template
         self.head = [dict(system)] if system else []
         closed = _template(tokenizer, self.head + [{"role": "assistant", "content": _PLACEHOLDER}],
-                           add_generation_prompt=False)
+                           add_generation_prompt=False, **template_kwargs)
         at = closed.find(_PLACEHOLDER)
         if at < 0:
             raise ValueError("the chat template drops the assistant's content: cannot render turns")
@@ -67,7 +72,7 @@ class TurnRenderer:
     def observation_text(self, model_ids: Sequence[int], new_messages: list) -> str:
         """The text the environment adds after a model turn whose tokens are `model_ids`."""
         full = _template(self.tokenizer, self.head + [{"role": "assistant", "content": _PLACEHOLDER}]
-                         + [dict(m) for m in new_messages], add_generation_prompt=True)
+                         + [dict(m) for m in new_messages], add_generation_prompt=True, **self.template_kwargs)
         if not full.startswith(self._closed):
             raise ValueError("the chat template renders an earlier turn differently once a message follows: "
                              "cannot append observations as token ids")

@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from dsrl.rollout.vllm_engine import Completion
+from dsrl.rollout.vllm_engine import Completion, per_prompt
 from dsrl.tracking.progress import progress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,12 +78,16 @@ class HFWorker:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, show_progress: bool = False,
-                 seeds: Optional[Sequence[int]] = None) -> List[List[Completion]]:
-        """n completions per prompt, each with its sampling log-probs (see module docstring)."""
+                 max_tokens, show_progress: bool = False,
+                 seeds: Optional[Sequence[int]] = None, stop=None) -> List[List[Completion]]:
+        """n completions per prompt, each with its sampling log-probs (see module docstring);
+        `max_tokens` one for all or one per prompt. Stop strings are not supported here."""
         if seeds is not None and len(seeds) != len(prompt_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
-        if n < 1 or max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+        if stop is not None and any(stop):
+            raise ValueError("stop strings: rollout.backend=hf has none (use a vLLM backend)")
+        caps, _ = per_prompt(len(prompt_ids), max_tokens)
+        if n < 1 or min(caps, default=1) < 1 or temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"n={n}, max_tokens={max_tokens} must be >= 1, temperature={temperature} >= 0, "
                              f"top_p={top_p} in (0, 1]")
         self._calls += 1
@@ -96,7 +100,7 @@ class HFWorker:
                 with bar:
                     for i, ids in enumerate(prompt_ids):
                         base = None if seeds is None else int(seeds[i])
-                        out.append(self._sample_group(list(ids), i, n, temperature, top_p, max_tokens, base))
+                        out.append(self._sample_group(list(ids), i, n, temperature, top_p, caps[i], base))
                         bar.update(1)
                 return out
         finally:

@@ -161,20 +161,25 @@ class RayEngines:
 
     # ------------------------------------------------------------------ the worker's interface
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, show_progress: bool = False, seeds: Optional[Sequence[int]] = None) -> list:
-        """n completions per prompt (VLLMWorker.generate's contract), the prompts spread over the
-        engines; groups come back in prompt order."""
+                 max_tokens, show_progress: bool = False, seeds: Optional[Sequence[int]] = None,
+                 stop: Optional[Sequence[Sequence[str]]] = None) -> list:
+        """n completions per prompt (VLLMWorker.generate's contract: max_tokens and stop strings may
+        be per prompt), the prompts spread over the engines; groups come back in prompt order."""
+        from dsrl.rollout.vllm_engine import per_prompt
+
         self._check_open()
         if seeds is not None and len(seeds) != len(prompt_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
         if not prompt_ids:
             return []
-        kwargs = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, show_progress=False)
+        caps, stops = per_prompt(len(prompt_ids), max_tokens, stop)
+        kwargs = dict(n=n, temperature=temperature, top_p=top_p, show_progress=False)
         chunks = split_even(len(prompt_ids), CHUNKS_PER_ENGINE * len(self.engines))
 
         def submit(e: int, chunk):
             lo, hi = chunk
-            kw = dict(kwargs, seeds=None if seeds is None else [int(s) for s in seeds[lo:hi]])
+            kw = dict(kwargs, seeds=None if seeds is None else [int(s) for s in seeds[lo:hi]], max_tokens=caps[lo:hi],
+                      stop=stops[lo:hi] if stop is not None else None)
             return self.engines[e].actor.generate.remote([list(p) for p in prompt_ids[lo:hi]], kw)
 
         from dsrl.tracking.progress import progress

@@ -26,7 +26,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -168,6 +168,17 @@ def _generation_bar(iterable=None, **kwargs):
     return progress(total=kwargs.get("total"), desc="generate", unit="sample", leave=False)
 
 
+def per_prompt(count: int, max_tokens: Union[int, Sequence[int]],
+               stop: Optional[Sequence[Sequence[str]]] = None) -> Tuple[List[int], List[List[str]]]:
+    """`max_tokens` (one for all, or one per prompt) and `stop` (None, or stop strings per prompt)
+    as one of each per prompt."""
+    caps = [int(max_tokens)] * count if isinstance(max_tokens, int) else [int(m) for m in max_tokens]
+    stops = [[] for _ in range(count)] if stop is None else [list(s or []) for s in stop]
+    if len(caps) != count or len(stops) != count:
+        raise ValueError(f"{len(caps)} max_tokens and {len(stops)} stop lists for {count} prompts")
+    return caps, stops
+
+
 class VLLMEngine:
     """The vLLM engine itself, in the process where its `vllm.LLM` lives: the engine host's
     child (dsrl.rollout.engine_host, CPU), a Ray actor, or the caller's process with vLLM's own
@@ -209,17 +220,21 @@ class VLLMEngine:
         return {"start_seconds": self.start_seconds, "sleep_mode": self.sleep_mode}
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, show_progress: bool = False,
-                 seeds: Optional[Sequence[int]] = None) -> List[List[Completion]]:
+                 max_tokens: Union[int, Sequence[int]], show_progress: bool = False,
+                 seeds: Optional[Sequence[int]] = None,
+                 stop: Optional[Sequence[Sequence[str]]] = None) -> List[List[Completion]]:
         """n completions per prompt, each with its sampling log-probs. `seeds` (one per prompt)
-        makes sampling independent of the engine's RNG state and batching order."""
+        makes sampling independent of the engine's RNG state and batching order. `max_tokens`
+        and `stop` (stop strings: the text ends before one, the token ids keep every sampled
+        token, the one that completed the stop string included) may be given per prompt."""
         from vllm import SamplingParams
 
         greedy = temperature == 0.0
+        caps, stops = per_prompt(len(prompt_ids), max_tokens, stop)
         if seeds is not None and len(seeds) != len(prompt_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
         params = [SamplingParams(n=n, temperature=temperature, top_p=1.0 if greedy else top_p,
-                                 max_tokens=max_tokens, logprobs=None if greedy else 0,
+                                 max_tokens=caps[i], logprobs=None if greedy else 0, stop=list(stops[i]) or None,
                                  seed=None if seeds is None or greedy else int(seeds[i]))
                   for i in range(len(prompt_ids))]
         outs = self.run([{"prompt_token_ids": list(p)} for p in prompt_ids], params,

@@ -91,12 +91,14 @@ class VLLMWorker:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, show_progress: bool = False,
-                 seeds: Optional[Sequence[int]] = None) -> List[List[Completion]]:
-        """n completions per prompt, each with its sampling log-probs (VLLMEngine.generate)."""
+                 max_tokens, show_progress: bool = False, seeds: Optional[Sequence[int]] = None,
+                 stop: Optional[Sequence[Sequence[str]]] = None) -> List[List[Completion]]:
+        """n completions per prompt, each with its sampling log-probs (VLLMEngine.generate; max_tokens
+        and stop strings may be per prompt)."""
         return self._engine.call("generate", [list(p) for p in prompt_ids], n=n, temperature=temperature,
-                                 top_p=top_p, max_tokens=max_tokens, show_progress=show_progress,
-                                 seeds=None if seeds is None else [int(s) for s in seeds])
+                                 top_p=top_p, max_tokens=max_tokens if isinstance(max_tokens, int) else list(max_tokens),
+                                 show_progress=show_progress, seeds=None if seeds is None else [int(s) for s in seeds],
+                                 stop=None if stop is None else [list(s) for s in stop])
 
     def run(self, requests: list, params: list) -> list:
         """vLLM requests with their SamplingParams; vLLM's RequestOutputs, in request order."""

@@ -45,16 +45,24 @@ class ScriptedWorker:
         self.calls = []  # (number of prompts, max_tokens) per call
         self.sampled = {}  # (e, t) -> token ids returned
 
-    def generate(self, prompt_ids, *, n, temperature, top_p, max_tokens, show_progress=False, seeds=None):
+    def generate(self, prompt_ids, *, n, temperature, top_p, max_tokens, show_progress=False, seeds=None, stop=None):
+        """max_tokens and stop (strings) may be per prompt, like VLLMWorker's; a stop string ends
+        the completion at the token that completes it (that token kept), finish "stop"."""
         assert n == 1 and seeds is not None
         self.calls.append((len(prompt_ids), max_tokens))
+        caps = [max_tokens] * len(seeds) if isinstance(max_tokens, int) else list(max_tokens)
         out = []
-        for s in seeds:
+        for i, s in enumerate(seeds):
             e, t = divmod(int(s), self.stride)
             ids = self.tok(self.texts(e, t), add_special_tokens=False)["input_ids"]
             ids = list(ids) + ([self.tok.eos_token_id] if self.eos(e, t) else [])
-            finish = "stop" if len(ids) <= max_tokens and self.eos(e, t) else "length"
-            ids = ids[:max_tokens]
+            cap, stopped = caps[i], False
+            for k in range(len(ids)) if stop and stop[i] else ():
+                if any(x in self.tok.decode(ids[:k + 1]) for x in stop[i]):
+                    ids, stopped = ids[:k + 1], True
+                    break
+            finish = "stop" if len(ids) <= cap and (stopped or self.eos(e, t)) else "length"
+            ids = ids[:cap]
             self.sampled[(e, t)] = ids
             lps = [-(k + 1) / 100 - e for k in range(len(ids))]
             out.append([Completion(ids, lps, finish, self.tok.decode(ids, skip_special_tokens=True))])

@@ -74,3 +74,23 @@ def test_multi_turn_token_identity_with_vllm(engine, hf_model, tiny_tokenizer):
     assert torch.equal(batch["rollout_log_probs"][env], torch.zeros(int(env.sum())))
     # the environment's text is in the token stream as rendered (its observations are there)
     assert "obs 1" in samples[0].text and "obs 2" in samples[0].text and "obs 2" not in samples[1].text
+
+
+def test_per_prompt_max_tokens_and_stop_strings_with_vllm(engine, tiny_tokenizer):
+    """What the agent endpoint relies on (one batched call, each call with its own limits): each
+    prompt generates up to its own max_tokens, and a stop string ends its completion at the token
+    that completes it, that token kept in the ids (the text ends before the stop string), the ids
+    a prefix of what the same seed samples without the stop string."""
+    tok = tiny_tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Say something."}], add_generation_prompt=True,
+                                     tokenize=True)["input_ids"]
+    stops = ["e", "a", "o", " "]
+    kw = dict(n=1, temperature=1.0, top_p=1.0, seeds=[11, 12, 13])
+    free = engine.generate([prompt] * 3, max_tokens=40, **kw)
+    got = engine.generate([prompt] * 3, max_tokens=[2, 5, 40], stop=[[], [], stops], **kw)
+    assert [len(g[0].token_ids) for g in got[:2]] == [2, 5]
+    assert got[0][0].token_ids == free[0][0].token_ids[:2] and got[1][0].token_ids == free[1][0].token_ids[:5]
+    ids = list(got[2][0].token_ids)
+    assert got[2][0].finish_reason == "stop" and ids == list(free[2][0].token_ids[:len(ids)])
+    assert any(s in tok.decode(ids) for s in stops) and not any(s in tok.decode(ids[:-1]) for s in stops)
+    assert not any(s in got[2][0].text for s in stops)
