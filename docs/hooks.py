@@ -1,6 +1,7 @@
 """MkDocs hooks (mkdocs.yml `hooks:`): the pages made at build time, and the config-key check.
 
-- `reference/configuration.md` is generated from dsrl/config/schema.py (docs/gen_config_ref.py);
+- `reference/configuration.md` is generated from dsrl/config/schema.py (docs/gen_config_ref.py),
+  `index.md` is README.md (its links into docs/ made relative);
   `changelog.md` and `contributing.md` are the repository's CHANGELOG.md and CONTRIBUTING.md.
 - Every config key a page names in code (inline `algo.use_tis=true` or a fenced command line) must
   exist in the schema: a key that does not is a warning naming the page and the key, and
@@ -29,8 +30,17 @@ FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 INLINE = re.compile(r"`([^`\n]+)`")
 
 
+def readme_as_index(text: str) -> str:
+    """README.md as the site's home page: its links into docs/ made relative to the site."""
+    text = text.replace("](docs/", "](")
+    for page, source in ROOT_PAGES.items():
+        text = text.replace(f"]({source})", f"]({page})")
+    return re.sub(r"\[([^\]]+)\]\(LICENSE\)", r"\1 (the file `LICENSE`)", text)
+
+
 def on_files(files, config):
     files.append(File.generated(config, "reference/configuration.md", content=gen_config_ref.render()))
+    files.append(File.generated(config, "index.md", content=readme_as_index((ROOT / "README.md").read_text())))
     for page, source in ROOT_PAGES.items():
         files.append(File.generated(config, page, content=(ROOT / source).read_text()))
     return files
