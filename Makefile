@@ -40,7 +40,7 @@ test-fast: setup
 # The documentation site (mkdocs.yml) into site/, strict: a broken link, a missing page or a config key
 # that is not in dsrl/config/schema.py fails the build; the configuration reference is generated.
 docs: setup
-	$(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 bench-reuse: setup
 	$(PY) bench/bench_reuse.py $(ARGS)

@@ -145,6 +145,7 @@ def schema_groups(path: Path = SCHEMA) -> List[Group]:
     return groups
 
 
+@functools.lru_cache(maxsize=None)
 def all_fields(path: Path = SCHEMA) -> List[Field]:
     return [f for g in schema_groups(path) for f in g.fields]
 
