@@ -6,10 +6,14 @@ A checkpoint is one folder `<run_dir>/checkpoints/step-NNNNNN/` holding
   rank-R.pt            rank R's RNG states (python, numpy, torch) and its trainer state
   trainer_state.json   step, metrics so far and their W&B run's id, the resolved config, world size (rank 0)
   hf/                  the policy as a transformers folder (for use outside dsrl)
-  COMPLETE.json        written last: every file with its size
-It is written under a temporary name and renamed when complete, so a crash mid-save leaves no
-folder that looks complete; a folder whose manifest is missing or whose files do not match it is
-skipped with a warning naming it. The newest `keep` checkpoints are kept.
+  COMPLETE.json        written last: every file with its size and CRC-32
+It is written under a temporary name; every file is fsynced, then the manifest is written (and
+fsynced), then the folder is renamed (and its parent fsynced): a crash or a power cut mid-save
+leaves no folder that looks complete. Checkpoints are verified, not trusted: a resume checks the
+newest folder's files against its manifest (sizes and checksums) and falls back to the newest
+intact one, naming each damaged one and why. Retention keeps the newest `keep` intact checkpoints
+and deletes the older ones, so it never deletes the only intact one (a folder whose files do not
+have its manifest's sizes is left for inspection).
 
 trainer.checkpoint_storage: `shared` (the default): the folder is on storage every rank sees;
 rank 0 completes, renames and prunes it. `node_local`: `<run_dir>/checkpoints` is on each node's
@@ -32,6 +36,7 @@ import os
 import random
 import shutil
 import time
+import zlib
 from dataclasses import asdict
 from typing import Dict, List, Optional
 
@@ -157,13 +162,53 @@ def restore_rng(state: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------- save
-def _manifest(folder: str) -> Dict[str, int]:
+_READ = 8 << 20
+
+
+def _file_digest(path: str, sync: bool = False) -> str:
+    """CRC-32 of a file's bytes (hex); `sync`: fsync it first (its data on disk before the manifest)."""
+    crc = 0
+    with open(path, "rb") as f:
+        if sync:
+            os.fsync(f.fileno())
+        while True:
+            chunk = f.read(_READ)
+            if not chunk:
+                break
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _manifest(folder: str, sync: bool = False) -> Dict[str, dict]:
+    """Every file of `folder` with its size and CRC-32; `sync`: each file and folder fsynced first."""
     files = {}
     for root, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(root, name)
-            files[os.path.relpath(path, folder)] = os.path.getsize(path)
+            files[os.path.relpath(path, folder)] = {"size": os.path.getsize(path), "crc32": _file_digest(path, sync)}
+        if sync:
+            _fsync_dir(root)
     return files
+
+
+def _write_manifest(folder: str) -> None:
+    """fsync every file, then write the manifest (fsynced) last."""
+    manifest = _manifest(folder, sync=True)  # before the manifest file itself exists
+    path = os.path.join(folder, MANIFEST)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(folder)
+    _VERIFIED[folder] = _manifest_key(path)
 
 
 def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, rank_state: dict, shared: dict,
@@ -193,12 +238,12 @@ def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, rank_state: di
             json.dump({"step": step, "world_size": world_size(), **shared}, f)
     _barrier()  # every rank's files are on disk
     if writer:
-        manifest = _manifest(tmp)  # before the manifest file itself exists
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f)
+        _write_manifest(tmp)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _VERIFIED[final] = _VERIFIED.pop(tmp)  # checksummed from its files on disk just now
+        _fsync_dir(os.path.dirname(final))
     if storage == "node_local":
         _barrier()  # every node's folder is complete before any node drops an older one
     if writer:
@@ -208,42 +253,84 @@ def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, rank_state: di
 
 
 def _prune(run_dir: str, keep: int) -> None:
+    """Keep the newest `keep` intact checkpoints (verified) and delete the older ones: a damaged
+    folder is not counted, so the only intact one is never deleted; one whose files do not have its
+    manifest's sizes is left for inspection."""
     if keep <= 0:
         return
-    for old in _complete_checkpoints(run_dir, warn=False)[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
+    intact = 0
+    for folder in _checkpoint_folders(run_dir):
+        if intact < keep:
+            intact += _damage(folder) is None
+        elif _damage(folder, checksums=False) is None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------- find / load
-def _damage(folder: str) -> Optional[str]:
-    """Why `folder` is not a usable checkpoint (None when it is)."""
+# Folders whose files were checked against their manifest by this process: folder -> the
+# manifest's (mtime_ns, size), so each is read once (the one a save just wrote is not read again).
+_VERIFIED: Dict[str, tuple] = {}
+
+
+def _manifest_key(path: str) -> tuple:
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_size
+
+
+def _damage(folder: str, checksums: bool = True) -> Optional[str]:
+    """Why `folder` is not a usable checkpoint (None when it is): no or an unreadable manifest, a
+    file missing, of another size or (`checksums`) with other bytes than the manifest says."""
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
         return "no manifest (partial save)"
+    if checksums and _VERIFIED.get(folder) == _manifest_key(path):
+        return None
     try:
         with open(path) as f:
             expected = json.load(f)
     except (OSError, ValueError) as e:
         return f"unreadable manifest ({e})"
-    for rel, size in expected.items():
+    for rel, entry in expected.items():
+        size = entry["size"] if isinstance(entry, dict) else entry  # older manifests: sizes only
         full = os.path.join(folder, rel)
         if not os.path.isfile(full):
             return f"missing {rel}"
         if os.path.getsize(full) != size:
             return f"{rel} has {os.path.getsize(full)} bytes, manifest says {size}"
+    if checksums:
+        for rel, entry in expected.items():
+            if isinstance(entry, dict) and _file_digest(os.path.join(folder, rel)) != entry["crc32"]:
+                return f"{rel} does not match its checksum (CRC-32 {entry['crc32']} in the manifest)"
+        _VERIFIED[folder] = _manifest_key(path)
+    return None
+
+
+def _checkpoint_folders(run_dir: str) -> List[str]:
+    root = os.path.join(run_dir, CHECKPOINTS)
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, n) for n in sorted((n for n in os.listdir(root) if n.startswith(_PREFIX)),
+                                                   reverse=True)]
+
+
+def _newest_intact(run_dir: str, warn: bool = True) -> Optional[str]:
+    """The newest checkpoint of `run_dir` whose files match its manifest; the newer damaged ones are
+    named with why (older ones are not read)."""
+    for folder in _checkpoint_folders(run_dir):
+        why = _damage(folder)
+        if why is None:
+            return folder
+        if warn:
+            log.warning("skipping damaged checkpoint %s: %s", folder, why)
     return None
 
 
 def _complete_checkpoints(run_dir: str, warn: bool = True) -> List[str]:
-    """Complete checkpoint folders of `run_dir`, newest first; damaged ones are named and skipped."""
-    root = os.path.join(run_dir, CHECKPOINTS)
-    if not os.path.isdir(root):
-        return []
-    names = sorted((n for n in os.listdir(root) if n.startswith(_PREFIX)), reverse=True)
+    """Checkpoint folders of `run_dir` whose files have their manifest's sizes (not read), newest
+    first; the others are named and skipped."""
     out = []
-    for name in names:
-        folder = os.path.join(root, name)
-        why = _damage(folder)
+    for folder in _checkpoint_folders(run_dir):
+        why = _damage(folder, checksums=False)
         if why is None:
             out.append(folder)
         elif warn:
@@ -252,16 +339,14 @@ def _complete_checkpoints(run_dir: str, warn: bool = True) -> List[str]:
 
 
 def find_latest(run_dir: str, storage: str = "shared") -> Optional[str]:
-    """The newest complete checkpoint of `run_dir` (same answer on every rank; collective in a
-    multi-rank run). `shared`: as rank 0 sees it. `node_local`: the newest step complete on every
+    """The newest intact checkpoint of `run_dir` (its files match its manifest's sizes and
+    checksums; same answer on every rank; collective in a multi-rank run); each newer damaged one
+    is named with why. `shared`: as rank 0 sees it. `node_local`: the newest step complete on every
     node (each rank looks at its own node's disk); a newer one that some node lacks is named and
     skipped."""
     _check_storage(storage)
     if storage == "shared" or not (dist.is_initialized() and dist.get_world_size() > 1):
-        found = None
-        if global_rank() == 0:
-            complete = _complete_checkpoints(run_dir)
-            found = complete[0] if complete else None
+        found = _newest_intact(run_dir) if global_rank() == 0 else None
         return broadcast_from_rank0(found)
     import socket
 
@@ -274,7 +359,16 @@ def find_latest(run_dir: str, storage: str = "shared") -> Optional[str]:
             lacking = [f"rank {r} on {host}" for r, host, names in views if name not in names]
             log.warning("skipping checkpoint %s: not complete on every node (%s lack it)",
                         checkpoint_dir(run_dir, int(name[len(_PREFIX):])), ", ".join(lacking))
-    return checkpoint_dir(run_dir, int(max(common)[len(_PREFIX):])) if common else None
+    for name in sorted(common, reverse=True):  # the newest whose files match their checksums on every node
+        folder = checkpoint_dir(run_dir, int(name[len(_PREFIX):]))
+        whys = [None] * dist.get_world_size()
+        dist.all_gather_object(whys, (global_rank(), socket.gethostname(), _damage(folder)))
+        damaged = [f"rank {r} on {host}: {why}" for r, host, why in whys if why is not None]
+        if not damaged:
+            return folder
+        if global_rank() == 0:
+            log.warning("skipping damaged checkpoint %s: %s", folder, "; ".join(damaged))
+    return None
 
 
 def read_shared_state(folder: str) -> dict:

@@ -98,7 +98,6 @@ class Trainer:
             except TrainingDiverged:
                 # Weights and optimizer are those of the last good step; the prompt stream and RNGs
                 # have moved through this step, so the checkpoint is labelled with it.
-                self.rollout.snapshot_now()
                 self.save(step)
                 raise
             self.logger.log(step, metrics)
@@ -130,6 +129,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> str:
         """Checkpoint the state after `step` (collective); returns its folder."""
+        self.rollout.checkpoint_snapshot(step)  # the asynchronous buffer, when there is one
         folder, seconds = save_checkpoint(
             self.run_dir, step, actor=self.actor, tokenizer=self.tokenizer, keep=self.cfg.trainer.keep_checkpoints,
             **({"storage": "node_local"} if self.cfg.trainer.checkpoint_storage == "node_local" else {}),

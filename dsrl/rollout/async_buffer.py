@@ -29,9 +29,19 @@ Two schedules:
   (v for batch v + k + 1) and none is dropped; trajectories that span versions come with `clock`.
 
 The buffer (admitted groups with their partial trajectories and versions, finished groups, closed
-batches, the prompt stream's position) is snapshotted at every push, under the engine lock, where
-the engine's prefix cache has just been dropped: a checkpoint holds the snapshot of its step's push,
-and a resumed run restarts the generator exactly there (no group trained twice, none lost).
+batches, the prompt stream's position) goes into every checkpoint as a snapshot taken between two
+chunks (the engine lock). Only what a chunk can still change is copied: the groups in flight;
+finished groups and closed batches are never modified again and are shared with the snapshot.
+- `deterministic`: the snapshot is taken at every push, after the load, where the engine's prefix
+  cache has just been dropped and nothing is in flight (a batch just closed), so it costs a few
+  list copies; a point fixed by counts, so a run resumed from it is the uninterrupted run bit for bit.
+- `clock`: the snapshot is taken when a checkpoint is written (`checkpoint_snapshot`), at the next
+  chunk boundary; a resumed run trains no group twice and loses none (the interleaving after it
+  depends on timing, as the uninterrupted run's does).
+A snapshot the schedule cannot continue exactly (written after a step without a push, a stop by
+TrainingDiverged; a finished run resumed with a larger trainer.total_steps; batch s + k still open)
+is continued with one warning naming why (`AsyncBuffer.resume`): the engine holds the checkpoint's
+weights, which sample every chunk until the schedule asks for the next push.
 
 `AsyncBuffer` is the state and its transitions (no threads, no engine); `AsyncGenerator` drives it
 from a daemon thread. Nothing here is collective: each rank generates its own share."""
@@ -120,6 +130,9 @@ class AsyncBuffer:
     open_dropped: List[Group] = field(default_factory=list)
     ready: Deque[Batch] = field(default_factory=collections.deque)
     prompt_state: Optional[tuple] = None  # the prompt RNG's state at the snapshot
+    # deterministic after an inexact resume: the version the chunks need at least (the checkpoint's
+    # weights serve every chunk until the schedule asks for a newer version); 0 otherwise
+    floor: int = 0
     saved: Optional[dict] = None  # the last snapshot (state_dict returns it)
 
     # ------------------------------------------------------------------ schedule
@@ -130,7 +143,7 @@ class AsyncBuffer:
     @property
     def required_version(self) -> int:
         """deterministic: the version the engine must hold for the next chunk (batch v + k closed)."""
-        return max(0, min(self.closed, self.total_batches) - self.k)
+        return max(0, min(self.closed, self.total_batches) - self.k, self.floor)
 
     def may_admit(self) -> bool:
         """Admit a new group while fewer than a batch's worth are in flight and the batch it would
@@ -184,8 +197,8 @@ class AsyncBuffer:
                                                            for t in g.trajectories)))
             self.open_batch, self.open_dropped = [], []
             self.closed += 1
-            if self.done:
-                self.active = []  # groups in flight at the end are never trained
+            # at the end, the groups in flight stay in the buffer (never trained by this run; a
+            # resume with a larger trainer.total_steps continues them)
 
     def take(self, step: int) -> Batch:
         batch = self.ready.popleft()
@@ -196,12 +209,19 @@ class AsyncBuffer:
 
     # ------------------------------------------------------------------ checkpoints
     _STATE = ("admitted", "closed", "taken", "version", "chunks", "version_chunks", "version_tokens", "active",
-              "open_batch", "open_dropped", "ready", "prompt_state")
+              "open_batch", "open_dropped", "ready", "prompt_state", "floor")
+    _DEFAULTS = {"floor": 0}  # fields a checkpoint written before they existed lacks
 
     def snapshot(self, prompt_state) -> None:
+        """The state as it stands (called between two chunks). The groups in flight are copied;
+        finished groups and closed batches are never modified again, so they are shared."""
         self.prompt_state = prompt_state
-        self.saved = copy.deepcopy({name: getattr(self, name) for name in self._STATE})
-        self.saved["ready"] = list(self.saved["ready"])
+        saved = {name: getattr(self, name) for name in self._STATE}
+        saved["active"] = copy.deepcopy(self.active)
+        for name in ("open_batch", "open_dropped", "ready"):
+            saved[name] = list(saved[name])
+        saved["total_batches"] = self.total_batches  # not restored: says where the saved run would end
+        self.saved = saved
 
     def state_dict(self) -> Optional[dict]:
         return self.saved
@@ -210,9 +230,38 @@ class AsyncBuffer:
         if state is None:
             return
         for name in self._STATE:
-            value = copy.deepcopy(state[name])
+            value = copy.deepcopy(state[name]) if name in state else self._DEFAULTS[name]
             setattr(self, name, collections.deque(value) if name == "ready" else value)
         self.saved = copy.deepcopy(state)
+
+    def resume(self, step: int, *, deterministic: bool) -> Optional[str]:
+        """After load_state_dict from the checkpoint of `step`, whose weights the engine gets: the
+        generator continues from the snapshot. Returns None when the continuation is the
+        uninterrupted run's (deterministic: bit for bit; clock: no group trained twice or lost),
+        else why it is not (the run continues: the engine's weights serve every chunk until the
+        schedule asks for the next push). Raises when the snapshot is not this step's."""
+        if self.taken != step:
+            raise RuntimeError(f"the checkpoint of step {step} holds the asynchronous buffer as it stood after "
+                               f"step {self.taken}: it cannot be resumed")
+        why = []
+        if self.version != step:
+            why.append(f"it was written after a step that pushed no weights (a stop by TrainingDiverged): tokens "
+                       f"the uninterrupted schedule samples with version {self.version} are sampled with the "
+                       f"checkpoint's weights, labelled version {step}")
+            self.version = step
+        saved_total = (self.saved or {}).get("total_batches", self.total_batches)
+        if saved_total < self.total_batches and self.closed >= saved_total:
+            why.append(f"its run had finished (trainer.total_steps={saved_total}, now {self.total_batches}): "
+                       f"batches after {saved_total} are sampled with step {step}'s weights, where an "
+                       f"uninterrupted {self.total_batches}-step run samples batch b with version b - "
+                       f"{self.k} - 1; its groups in flight at the end continue")
+        if deterministic and not self.done and max(0, min(self.closed, self.total_batches) - self.k) < self.version:
+            if not why:
+                why.append(f"its buffer was saved while batch {self.closed + 1} was open, which the schedule "
+                           f"samples with version {max(0, self.closed + 1 - self.k - 1)}: the checkpoint's "
+                           f"weights (version {self.version}) sample it")
+            self.floor = max(self.floor, self.version)
+        return "; ".join(why) or None
 
 
 class AsyncGenerator:
@@ -331,7 +380,7 @@ class AsyncGenerator:
 
     def push(self, step: int, push_fn: Callable[[], dict]) -> dict:
         """Load step `step`'s weights between two chunks (deterministic: once the generator asks for
-        them); snapshot the buffer there. Returns push_fn's metrics plus the engine's pause."""
+        them, and snapshot the buffer there). Returns push_fn's metrics plus the engine's pause."""
         t0 = time.perf_counter()
         with self.cond:
             while (self.deterministic and self.buffer.required_version < step and not self.buffer.done
@@ -348,7 +397,8 @@ class AsyncGenerator:
             metrics["async/version_tokens"] = float(b.version_tokens)
             metrics["async/version_chunks"] = float(b.version_chunks)
             b.version, b.version_tokens, b.version_chunks = step, 0, 0
-            self.buffer.snapshot(self.prompt_rng.getstate())
+            if self.deterministic:  # a point fixed by counts, nothing in flight: cheap, and exact to resume from
+                b.snapshot(self.prompt_rng.getstate())
             paused = time.perf_counter() - t2
         with self.cond:
             self.cond.notify_all()
@@ -361,11 +411,17 @@ class AsyncGenerator:
         if self.buffer.prompt_state is not None:
             self.prompt_rng.setstate(self.buffer.prompt_state)
 
-    def snapshot_now(self) -> None:
-        """Snapshot the buffer at the next chunk boundary, without a push (a checkpoint written
-        after a step that made none: TrainingDiverged). Lossless, not replayable bit for bit."""
+    def checkpoint_snapshot(self, step: int) -> float:
+        """Before the checkpoint of `step` is written: deterministic, the snapshot of step `step`'s
+        push when there was one; otherwise (clock; a step without a push, TrainingDiverged) the
+        buffer as it stands at the next chunk boundary. Returns the seconds the engine was held."""
+        saved = self.buffer.saved
+        if self.deterministic and saved is not None and saved["taken"] == step and saved["version"] == step:
+            return 0.0
         with self.engine:
+            t0 = time.perf_counter()
             self.buffer.snapshot(self.prompt_rng.getstate())
+            return time.perf_counter() - t0
 
     def stop(self, wait: bool = True) -> None:
         """End the thread at its next boundary; `wait`: join it (a run that ended; a failed run does

@@ -67,7 +67,9 @@ class RolloutStage:
                             top_p=r.top_p)
             self.endpoint = AgentEndpoint(self.worker, self.tokenizer, limits=limits, agent=load_agent(r.agent),
                                           model_name=self.cfg.model.path, timeout_s=r.agent_timeout_s,
-                                          max_request_bytes=r.agent_max_request_bytes).start()
+                                          max_request_bytes=r.agent_max_request_bytes, host=r.agent_host,
+                                          failed_episodes=r.failed_episodes, tool_parser=r.tool_parser,
+                                          tool_template=r.tool_template, stop_strings=r.backend != "hf").start()
         return self.endpoint
 
     def close(self) -> None:
@@ -86,23 +88,21 @@ class RolloutStage:
 
     def restored(self, step: int) -> None:
         """After the loop state of the checkpoint of `step` is loaded: the asynchronous generator
-        continues from the buffer's snapshot of that step's push (its prompt stream position included)."""
+        continues from the buffer's snapshot (its prompt stream position included); where the
+        schedule cannot continue it exactly, one warning says why (AsyncBuffer.resume)."""
         if self.generator is not None:
-            b = self.generator.buffer
-            if b.taken != step:
-                raise RuntimeError(f"the checkpoint of step {step} holds the asynchronous buffer as it stood after "
-                                   f"step {b.taken}: it cannot be resumed")
-            if b.version != step:  # written after a step without a push (TrainingDiverged): lossless, not exact
-                log.warning("the checkpoint of step %d was written without its push: the asynchronous buffer's "
-                            "groups continue on the restored weights (not bit for bit the uninterrupted run)", step)
-                b.version = step
+            why = self.generator.buffer.resume(step, deterministic=self.mode == "deterministic")
+            if why is not None and is_main_rank():
+                log.warning("resuming the %s asynchronous schedule from the checkpoint of step %d: no longer bit "
+                            "for bit the uninterrupted run: %s", self.mode, step, why)
             self.generator.restore_prompt_rng()
 
-    def snapshot_now(self) -> None:
-        """A checkpoint after a step that made no push (TrainingDiverged): the asynchronous buffer as
-        it stands at the next chunk boundary."""
+    def checkpoint_snapshot(self, step: int) -> None:
+        """Before the checkpoint of `step` is written: the asynchronous buffer's snapshot
+        (AsyncGenerator.checkpoint_snapshot)."""
         if self.generator is not None:
-            self.generator.snapshot_now()
+            held = self.generator.checkpoint_snapshot(step)
+            log.debug("asynchronous buffer snapshot for the checkpoint of step %d: engine held %.4f s", step, held)
 
     def push(self, step: int, push_fn) -> dict:
         """Run the weight push `push_fn` (its metrics): asynchronous schedules load it between two

@@ -220,6 +220,8 @@ def test_a_clock_run_resumed_from_a_snapshot_trains_no_group_twice_and_loses_non
     eng = StandInEngine(jitter=0.002)
     buf, gen = build(eng)
     first = train(gen, 3, engine=eng, sleep_rng=random.Random(1))
+    assert buf.state_dict() is None  # clock: no snapshot at the pushes, only for a checkpoint
+    gen.checkpoint_snapshot(3)
     state = buf.state_dict()
     eng2 = StandInEngine(jitter=0.002)
     eng2.weights = 3
@@ -238,12 +240,12 @@ def test_a_clock_run_resumed_from_a_snapshot_trains_no_group_twice_and_loses_non
 
 
 def test_a_snapshot_without_a_push_is_taken_at_a_chunk_boundary():
-    """TrainingDiverged writes a checkpoint after a step that pushed nothing: snapshot_now takes the
-    buffer between two chunks (the engine lock), with the batches the trainer has taken."""
+    """TrainingDiverged writes a checkpoint after a step that pushed nothing: checkpoint_snapshot
+    takes the buffer between two chunks (the engine lock), with the batches the trainer has taken."""
     eng = StandInEngine()
     buf, gen = make(eng, k=2, groups=2, n=2, chunk=3, max_tokens=9, total=6)
     gen.take(1)
-    gen.snapshot_now()
+    gen.checkpoint_snapshot(1)
     state = buf.state_dict()
     assert state["taken"] == 1 and state["version"] == 0
     assert all(len(t.response_ids) % 3 == 0 or t.finish_reason for g in state["active"] for t in g.trajectories)
