@@ -6,6 +6,12 @@ class ConfigError(ValueError):
     """A bad config value; the message names the key(s)."""
 
 
+class DatumError(ValueError):
+    """A datum's contents leave the requested computation undefined (e.g. a loss that needs a
+    token its mask does not mark): the caller's input to fix, not a failure of the code; the
+    message names the datum and the field."""
+
+
 class RunStopped(Exception):
     """A signal asked the run to stop; the state after `step` is checkpointed in `checkpoint`
     (raised by the trainer's loop; dsrl.main turns it into the exit status 128 + signal)."""

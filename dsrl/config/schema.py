@@ -507,6 +507,9 @@ class ServeConfig:
     # Ephemeral sampler snapshots (save_weights_and_get_sampling_client) kept per client; older
     # ones are deleted.
     keep_sampler_snapshots: int = 2
+    # Seconds between sweeps of the checkpoint store that delete checkpoints whose ttl_seconds ran
+    # out (an expired one is refused, and deleted, as soon as a request names it, sweep or not).
+    checkpoint_sweep_s: float = 60.0
 
 
 @dataclass

@@ -33,6 +33,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from dsrl.errors import DatumError
 from dsrl.loss.registry import register_objective
 from dsrl.loss.types import Aggregator, LossInputs, LossOutput
 
@@ -270,7 +271,7 @@ def tinker_gspo(inputs: LossInputs) -> LossOutput:
         row = int(empty.nonzero()[0, 0])
         indices = inputs.sample_indices if inputs.sample_indices is not None else inputs.batch.get("sample_indices")
         datum = int(indices[row]) if indices is not None else row
-        raise ValueError(f"loss_fn 'gspo': datum {datum}: loss_fn_inputs['sequence_ratio_mask'] marks none of its "
+        raise DatumError(f"loss_fn 'gspo': datum {datum}: loss_fn_inputs['sequence_ratio_mask'] marks none of its "
                          "tokens, so its sequence ratio is undefined")
     token_log_ratio = torch.where(in_ratio, lp.detach() - q, torch.zeros_like(q))
     seq_log_ratio = token_log_ratio.sum(-1, keepdim=True) / count.clamp(min=1.0)

@@ -186,6 +186,28 @@ def build_app(service: Service, api_keys: Iterable[str]) -> FastAPI:
         s.set_published(run_id, f"{kind}/{name}", False, request.state.api_key)
         return {"status": "ok"}
 
+    @app.get(f"{v1}/training_runs/{{run_id}}")
+    async def training_run(run_id: str, request: Request):
+        return s.get_training_run(run_id, request.state.api_key)
+
+    @app.get(f"{v1}/training_runs/{{run_id}}/checkpoints")
+    async def list_checkpoints(run_id: str, request: Request):
+        return s.list_checkpoints(run_id, request.state.api_key)
+
+    @app.get(f"{v1}/checkpoints")
+    async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0):
+        return s.list_user_checkpoints(request.state.api_key, limit, offset)
+
+    @app.delete(f"{v1}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}")
+    async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request):
+        s.delete_checkpoint(run_id, f"{kind}/{name}", request.state.api_key)
+        return Response(status_code=204)
+
+    @app.put(f"{v1}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}/ttl")
+    async def set_checkpoint_ttl(run_id: str, kind: str, name: str, request: Request):
+        s.set_checkpoint_ttl(run_id, f"{kind}/{name}", await _json(request), request.state.api_key)
+        return Response(status_code=204)
+
     @app.get(f"{v1}/samplers/{{sampler_id}}")
     async def get_sampler(sampler_id: str):
         return s.get_sampler(sampler_id)
@@ -214,8 +236,8 @@ def build_app(service: Service, api_keys: Iterable[str]) -> FastAPI:
 
     @app.api_route(f"{v1}/{{rest:path}}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def unsupported(rest: str, request: Request):
-        """Endpoints of the SDK this server does not serve (the README lists them): 404 naming it."""
+        """Endpoints of the SDK this server does not serve (docs/guides/tinker.md lists them): 404 naming it."""
         return _user_error(f"{request.method} {v1}/{rest}: this endpoint is not served by dsrl's Tinker service "
-                           "(README, Tinker service: what is not supported)", status=404)
+                           "(docs/guides/tinker.md: what is not supported)", status=404)
 
     return app

@@ -55,6 +55,9 @@ def serve_errors(cfg) -> List[str]:
     if not 1 <= s.long_poll_seconds <= 40:
         errors.append(f"serve.long_poll_seconds={s.long_poll_seconds} must be in [1, 40] "
                       f"(the SDK gives up on a poll after 45 s)")
+    if not s.checkpoint_sweep_s > 0:
+        errors.append(f"serve.checkpoint_sweep_s={s.checkpoint_sweep_s} must be > 0 (seconds between deletions of "
+                      "expired checkpoints)")
     if s.session_timeout_s != 0 and s.session_timeout_s < 30:
         errors.append(f"serve.session_timeout_s={s.session_timeout_s} must be 0 (never) or >= 30 (the SDK sends a "
                       "heartbeat every 10 s)")
@@ -97,6 +100,7 @@ def options_from_config(cfg, model_path: str, run_dir: "str | os.PathLike[str]")
         max_pending_requests=int(s.max_pending_requests), max_future_bytes=int(s.max_future_bytes),
         max_recorded_sequences=int(s.max_recorded_sequences),
         custom_losses=dict(s.custom_losses or {}), keep_sampler_snapshots=int(s.keep_sampler_snapshots),
+        checkpoint_sweep_s=float(s.checkpoint_sweep_s),
         sampling=bool(s.sampling),
         sampler=dict(dtype=r.dtype, seed=r.seed, max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
                      gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=bool(r.enforce_eager)))

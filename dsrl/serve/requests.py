@@ -12,15 +12,16 @@ from dsrl.serve.errors import UserError
 # The fields of each JSON request of the SDK 0.38 wire that this server reads and honours. Any
 # other field sent with a value other than its empty default (None, False, 0, "", [], {}) is
 # refused, naming it: a request is never run as if that field had not been set. ("type" names
-# the request itself.) The README lists what is refused.
+# the request itself.) docs/guides/tinker.md lists what is refused and why.
 HONOURED = {
     "create_session": {"tags", "user_metadata", "sdk_version", "project_id", "display_name"},
     "session_heartbeat": {"session_id"},
     "create_model": {"session_id", "model_seq_id", "base_model", "user_metadata", "lora_config", "optimizer_config"},
     "get_info": {"model_id"},
     "optim_step": {"model_id", "seq_id", "adam_params", "optim_params", "optimizer_params"},
-    "save_weights": {"model_id", "path", "seq_id", "overwrite", "user_metadata"},
-    "save_weights_for_sampler": {"model_id", "path", "sampling_session_seq_id", "seq_id", "kind"},
+    "save_weights": {"model_id", "path", "seq_id", "overwrite", "user_metadata", "ttl_seconds"},
+    "save_weights_for_sampler": {"model_id", "path", "sampling_session_seq_id", "seq_id", "kind", "ttl_seconds",
+                                 "user_metadata"},
     "load_weights": {"model_id", "seq_id", "session_id", "model_seq_id", "base_model", "user_metadata", "path",
                      "optimizer", "optimizer_config"},
     "create_sampling_session": {"session_id", "sampling_session_seq_id", "base_model", "model_path"},
@@ -31,10 +32,9 @@ HONOURED = {
 }
 # Why some of them are refused (the rest: "not supported by this server").
 _REFUSED_BECAUSE = {
-    "ttl_seconds": "checkpoints here never expire",
     "weights_access_token": "checkpoints of other accounts are reached by publishing them",
     "record_stability_info": ("the stability information StableReinforce reads is not published, and this server "
-                              "does not offer stable_reinforce (README, Tinker service)"),
+                              "does not offer stable_reinforce (docs/guides/tinker.md)"),
     "base_model": "sample through a sampling session (create_sampling_session names the model)",
     "model_path": "sample through a sampling session (create_sampling_session names the checkpoint)",
 }

@@ -35,7 +35,8 @@ from dsrl.serve.requests import (
     prompt_tokens,
 )
 from dsrl.serve.sequencer import Sequencer
-from dsrl.serve.store import CheckpointStore, check_name, owner_of
+from dsrl.errors import DatumError
+from dsrl.serve.store import CheckpointStore, check_name, check_ttl, iso_time, owner_of
 
 log = logging.getLogger("dsrl.serve")
 
@@ -70,6 +71,7 @@ class ServiceOptions:
     session_timeout_s: float = 300.0  # 0: sessions never expire
     custom_losses: Dict[str, str] = field(default_factory=dict)
     keep_sampler_snapshots: int = 2
+    checkpoint_sweep_s: float = 60.0  # seconds between deletions of expired checkpoints (ttl_seconds)
     sampling: bool = False
     sampler: Dict[str, Any] = field(default_factory=dict)  # VllmSampler keyword arguments
 
@@ -120,6 +122,7 @@ class Service:
         self._closed = threading.Event()
         if opts.session_timeout_s > 0:
             threading.Thread(target=self._expire_sessions, name="dsrl-serve-sessions", daemon=True).start()
+        threading.Thread(target=self._sweep_checkpoints, name="dsrl-serve-ttl", daemon=True).start()
 
     # ================================================================== session-level (sync)
     def client_config(self) -> dict:
@@ -155,6 +158,17 @@ class Service:
                 log.warning("serve: session %s sent no heartbeat for %.0f s (serve.session_timeout_s): finished, "
                             "its training clients released", sid, timeout)
                 self.finish_session(sid)
+
+    def _sweep_checkpoints(self) -> None:
+        """Delete the checkpoints whose ttl_seconds ran out, every serve.checkpoint_sweep_s (one
+        that is touched before a sweep is refused and deleted then, see dsrl.serve.store)."""
+        while not self._closed.wait(float(self.opts.checkpoint_sweep_s)):
+            try:
+                for path in self.store.collect_expired():
+                    log.info("serve: checkpoint %s expired (ttl_seconds) and was deleted", path)
+            except OSError:  # a folder removed under the sweep: the next one sees the rest
+                log.warning("serve: the sweep of expired checkpoints failed; retried in %.0f s",
+                            self.opts.checkpoint_sweep_s, exc_info=True)
 
     def finish_session(self, session_id: str) -> None:
         """Mark the session finished and free its training clients (after their queued work)."""
@@ -231,7 +245,8 @@ class Service:
             self._created[(session.session_id, int(model_id.rsplit(":", 1)[1]))] = rid
             session.models.append(model_id)
             self.model_meta[model_id] = {"is_lora": spec is not None, "lora_rank": spec.rank if spec else 0,
-                                         "user_metadata": user_metadata or {}, "owner": session.owner}
+                                         "user_metadata": user_metadata or {}, "owner": session.owner,
+                                         "created_at": time.time()}
         self.sequencer.open(model_id, first_seq=1)
         self.executor.put([Op("create", model_id, rid, payload=(spec, load))])
         return {"request_id": rid, "model_id": model_id}
@@ -328,8 +343,9 @@ class Service:
         def make(rid):
             check_fields("save_weights", body)
             name = check_name(field_of(body, "path", str, "save_weights"), "save_weights: path")
+            ttl = check_ttl(body.get("ttl_seconds"), "save_weights")
             return Op("save_state", model_id, rid, payload=(name, bool(body.get("overwrite", False)),
-                                                            body.get("user_metadata")))
+                                                            body.get("user_metadata"), ttl))
         return self._sequenced(model_id, body.get("seq_id"), "save_weights", self._checked("save_weights", make))
 
     def save_weights_for_sampler(self, body: dict) -> dict:
@@ -339,11 +355,12 @@ class Service:
         def make(rid):
             check_fields(what, body)
             name = body.get("path")
+            ttl = check_ttl(body.get("ttl_seconds"), what)
             if name is not None:
                 check_name(name, f"{what}: path")
-                return Op("save_sampler", model_id, rid, payload=("named", name))
+                return Op("save_sampler", model_id, rid, payload=("named", name, ttl, body.get("user_metadata")))
             n = field_of(body, "sampling_session_seq_id", int, what)
-            return Op("save_sampler", model_id, rid, payload=("ephemeral", n))
+            return Op("save_sampler", model_id, rid, payload=("ephemeral", n, ttl, None))
         return self._sequenced(model_id, body.get("seq_id"), what, self._checked(what, make))
 
     def load_weights(self, body: dict, api_key: str = "") -> dict:
@@ -393,6 +410,52 @@ class Service:
         """publish / unpublish ``tinker://<training_run_id>/<checkpoint_id>`` (owner only)."""
         self.store.set_published(f"tinker://{training_run_id}/{checkpoint_id}", owner_of(api_key), published)
 
+    # ================================================================== checkpoints and runs (REST)
+    def list_checkpoints(self, run_id: str, api_key: str = "") -> dict:
+        """GET training_runs/{run}/checkpoints: the run's checkpoints this key may load, with expiry."""
+        return {"checkpoints": self.store.entries(run_id, owner=owner_of(api_key))}
+
+    def list_user_checkpoints(self, api_key: str = "", limit: int = 100, offset: int = 0) -> dict:
+        """GET checkpoints: every checkpoint this key owns, newest first, one page."""
+        if limit < 1 or offset < 0:
+            raise UserError(f"checkpoints: limit={limit} must be >= 1 and offset={offset} >= 0")
+        mine = self.store.entries(owner=owner_of(api_key), only_owner=True)[::-1]
+        return {"checkpoints": mine[offset:offset + limit],
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(mine)}}
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str, api_key: str = "") -> None:
+        self.store.delete(f"tinker://{run_id}/{checkpoint_id}", owner=owner_of(api_key))
+
+    def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, body: dict, api_key: str = "") -> None:
+        """PUT training_runs/{run}/checkpoints/{id}/ttl {"ttl_seconds": n | null} (owner only)."""
+        ttl = check_ttl(body.get("ttl_seconds"), "checkpoint ttl")
+        self.store.set_ttl(f"tinker://{run_id}/{checkpoint_id}", owner_of(api_key), ttl)
+
+    def get_training_run(self, run_id: str, api_key: str = "") -> dict:
+        """GET training_runs/{run}: the SDK's TrainingRun of a training client of this key (what
+        this process knows of it, else what its checkpoints record); KeyError when neither."""
+        owner = owner_of(api_key)
+        ckpts = self.store.entries(run_id, owner=owner)
+        meta = self.model_meta.get(run_id)
+        if meta is not None and meta["owner"] != owner:
+            raise KeyError(run_id)
+        if meta is None:
+            if not ckpts:
+                raise KeyError(run_id)
+            meta = self.store.resolve(ckpts[-1]["tinker_path"], owner=owner).meta
+            lora_rank = (meta.get("lora_config") or {}).get("rank") or 0
+            info = {"is_lora": bool(meta.get("is_lora")), "lora_rank": lora_rank, "owner": meta.get("owner") or "",
+                    "user_metadata": {}, "created_at": meta.get("created_at", time.time())}
+        else:
+            info = meta
+        last = {kind: [c for c in ckpts if c["checkpoint_type"] == kind] for kind in ("training", "sampler")}
+        return {"training_run_id": run_id, "base_model": self.opts.model_name, "model_owner": info["owner"],
+                "is_lora": bool(info["is_lora"]), "corrupted": False, "lora_rank": info["lora_rank"] or None,
+                "last_request_time": iso_time(info["created_at"]),
+                "last_checkpoint": last["training"][-1] if last["training"] else None,
+                "last_sampler_checkpoint": last["sampler"][-1] if last["sampler"] else None,
+                "user_metadata": {str(k): str(v) for k, v in (info.get("user_metadata") or {}).items()} or None}
+
     def get_sampler(self, sampler_id: str) -> dict:
         s = self.sampling_sessions.get(sampler_id)
         if s is None:
@@ -427,6 +490,8 @@ class Service:
             session = self.sampling_sessions.get(sid)
             if session is None:
                 raise UserError(f"{what}: unknown sampling_session_id {sid!r}")
+            if session.model_path is not None:
+                self.store.resolve(session.model_path)  # refused by name once it has expired or been deleted
             if body.get("target_prompt_logprobs") is not None:
                 raise UserError(f"{what}: target_prompt_logprobs is not supported by this server")
             prompt = prompt_tokens(body.get("prompt"), int(self.hf_config.vocab_size), self.opts.max_datum_tokens)
@@ -467,13 +532,19 @@ class Service:
     def _do_create(self, batch: List[Op]) -> None:
         (op,) = batch
         spec, load = op.payload
-        model = self._build_model(op.lane, spec)
-        if load is not None:
-            try:
-                self._load_into(model, load[0], load[1])
-            except BaseException:
-                model.release()  # a failed load frees its slot (or engine) before the error is answered
-                raise
+        try:
+            model = self._build_model(op.lane, spec)
+            if load is not None:
+                try:
+                    self._load_into(model, load[0], load[1])
+                except BaseException:
+                    model.release()  # a failed load frees its slot (or engine) before the error is answered
+                    raise
+        except BaseException:
+            meta = self.model_meta.get(op.lane)
+            if meta is not None:  # no longer counted against serve.max_lora_slots / max_full_clients
+                meta["released"] = True
+            raise
         self.models[op.lane] = model
         if load is not None:
             ckpt = load[0]
@@ -542,10 +613,12 @@ class Service:
         try:
             out = session.run_prepared(prepared, obj.spec, obj.config, forward_only=forward_only,
                                        tags=tags if models[0].tag is not None else None)
-        except Exception:
+        except Exception as e:
             for model, snapshot in zip(involved, saved):
                 model.restore_gradients(snapshot)
             if len(ok) == 1:
+                if isinstance(e, DatumError):  # the datums' contents, not the server: the client's to fix
+                    raise UserError(f"{what}: {e}") from None
                 raise
             for i in ok:  # each alone: _run_batch answers each request's future, failed or not
                 self._run_batch([batch[i]])
@@ -580,9 +653,10 @@ class Service:
     def _do_save_state(self, batch: List[Op]) -> None:
         (op,) = batch
         model = self._model(op.lane)
-        name, overwrite, user_metadata = op.payload
+        name, overwrite, user_metadata, ttl = op.payload
         meta = dict(self._meta_for(op.lane, model), user_metadata=user_metadata or {})
-        ckpt = self.store.write(op.lane, "weights", name, meta, lambda d: model.save_state(d), overwrite=overwrite)
+        ckpt = self.store.write(op.lane, "weights", name, meta, lambda d: model.save_state(d), overwrite=overwrite,
+                                ttl_seconds=ttl)
         self.futures.resolve(op.request_id, JsonReply({"type": "save_weights", "path": ckpt.tinker_path}))
 
     def _load_into(self, model, ckpt, optimizer: bool) -> None:
@@ -605,17 +679,18 @@ class Service:
     def _do_save_sampler(self, batch: List[Op]) -> None:
         (op,) = batch
         model = self._model(op.lane)
-        mode, arg = op.payload
+        mode, arg, ttl, user_metadata = op.payload
         meta = self._meta_for(op.lane, model)
         if mode == "named":
-            ckpt = self.store.write(op.lane, "sampler_weights", arg, meta, model.export_sampler)
+            ckpt = self.store.write(op.lane, "sampler_weights", arg, dict(meta, user_metadata=user_metadata or {}),
+                                    model.export_sampler, ttl_seconds=ttl)
             reply = {"type": "save_weights_for_sampler", "path": ckpt.tinker_path}
             self.futures.resolve(op.request_id, JsonReply(reply))
             return
         session_id = op.lane.split(":train:")[0]
         sid = f"{session_id}:sample:{arg}"
-        ckpt = self.store.write(op.lane, "sampler_weights", f"ephemeral-{arg}", meta, model.export_sampler,
-                                overwrite=True)
+        ckpt = self.store.write(op.lane, "sampler_weights", f"ephemeral-{arg}", dict(meta, ephemeral=True),
+                                model.export_sampler, overwrite=True, ttl_seconds=ttl)
         with self._lock:
             self.sampling_sessions[sid] = _SamplingSession(sid, str(ckpt.folder), None)
             kept = self._ephemeral.setdefault(op.lane, [])

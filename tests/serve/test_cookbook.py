@@ -4,7 +4,9 @@ conversations through `FromConversationFileBuilder`, the `qwen3_instruct` render
 SmolLM2's ChatML tokenizer) trains a LoRA client and evaluates it on the held-out conversations; its
 RL loop (`tinker_cookbook.rl.train.main` on the arithmetic recipe's dataset) runs with
 `loss_fn="importance_sampling"`, and with `stable_reinforce` (the default of the cookbook's math
-recipe and of its async RL) fails with the server's refusal."""
+recipe and of its async RL) fails with the server's refusal. Both keep the cookbook's checkpoint
+settings (periodic checkpoints with its 7-day ttl_seconds, rolling ones with 2 hours deleted as the
+next is saved, a final one without expiry), only their cadence shortened to fit a few steps."""
 from __future__ import annotations
 
 import asyncio
@@ -90,7 +92,8 @@ def test_cookbook_supervised_loop_trains_and_evaluates(server, tmp_path):
                        renderer_name=RENDERER, dataset_builder=FromConversationFileBuilder(
                            common_config=common, file_path=str(data), test_size=2),
                        learning_rate=3e-3, lr_schedule="constant", num_epochs=2, lora_rank=4, base_url=server,
-                       eval_every=1, save_every=0, ttl_seconds=None)
+                       eval_every=1, save_every=2, rolling_save_every=1)
+    assert cfg.ttl_seconds == 604800 and cfg.rolling_ttl_seconds == 7200  # the cookbook's defaults
     asyncio.run(train.main(cfg))
     rows = _metrics(tmp_path / "sl")
     losses = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
@@ -101,6 +104,24 @@ def test_cookbook_supervised_loop_trains_and_evaluates(server, tmp_path):
     assert len(losses) == 4 and all(b < a for a, b in zip(losses, losses[1:])), losses
     evals = [r["test/nll"] for r in rows if "test/nll" in r]  # its NLL evaluator on the 2 held out
     assert len(evals) >= 4 and evals[-1] < evals[0] - 0.5, evals  # 4 of 4 runs: 0.95-1.18 nats lower
+    # Steps 0-3: a periodic checkpoint at step 2 (state and sampler, 7 days), rolling ones at 1 and 3
+    # (state, 2 hours, each deleted once the next is saved, the last one by the final save), the final one.
+    kept = _server_checkpoints(server, tmp_path / "sl")
+    assert kept == {"weights/000002": 604800, "sampler_weights/000002": 604800, "weights/final": None,
+                    "sampler_weights/final": None}, kept
+
+
+def _server_checkpoints(url, log_path) -> dict:
+    """{checkpoint_id: seconds from its creation to its expiry (rounded), None: never} of the run
+    whose checkpoints the loop in ``log_path`` recorded, as the server lists them."""
+    import tinker
+
+    with open(os.path.join(str(log_path), "checkpoints.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    run_id = records[-1]["state_path"][len("tinker://"):].split("/")[0]
+    listed = tinker.RestClient(base_url=url).list_checkpoints(run_id).result().checkpoints
+    return {c.checkpoint_id: None if c.expires_at is None else round((c.expires_at - c.time).total_seconds())
+            for c in listed}
 
 
 def _rl_config(url, log_path, loss_fn):
@@ -111,8 +132,8 @@ def _rl_config(url, log_path, loss_fn):
                                        renderer_name=RENDERER, include_fewshot=False)
     return train.Config(learning_rate=1e-3, dataset_builder=builder, model_name=MODEL, renderer_name=RENDERER,
                         recipe_name="dsrl_cookbook_test", max_tokens=4, log_path=str(log_path), eval_every=0,
-                        save_every=0, lora_rank=4, base_url=url, loss_fn=loss_fn, ttl_seconds=None,
-                        num_groups_to_log=0, rollout_json_export=False)
+                        save_every=1, lora_rank=4, base_url=url, loss_fn=loss_fn, num_groups_to_log=0,
+                        rollout_json_export=False)
 
 
 def test_cookbook_rl_loop_runs_with_importance_sampling(server, tmp_path):
@@ -124,6 +145,9 @@ def test_cookbook_rl_loop_runs_with_importance_sampling(server, tmp_path):
     for r in rows:
         assert r["tokens/sampled"] == 2 * 2 * 4 and r["env/all/total_episodes"] == 4, r
         assert abs(r["optim/kl_sample_train_v1"]) < 1e-3, r  # the sampler's log-probs are the trainer's
+    kept = _server_checkpoints(server, tmp_path / "rl")  # periodic ones at batches 1 and 2 (7 days), the final one
+    assert kept == {"weights/000001": 604800, "sampler_weights/000001": 604800, "weights/000002": 604800,
+                    "sampler_weights/000002": 604800, "weights/final": None, "sampler_weights/final": None}, kept
 
 
 def test_cookbook_rl_loop_stable_reinforce_is_refused(server, tmp_path):

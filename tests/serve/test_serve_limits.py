@@ -96,14 +96,14 @@ def test_checkpoints_belong_to_their_key_until_published(tmp_path):
     with pytest.raises(UserError, match="belongs to another API key"):
         store.resolve(ck.tinker_path, owner=theirs)
     legacy = store.write("s-1:train:0", "weights", "old", {"is_lora": True}, lambda d: None)  # no owner recorded
-    assert store.resolve(legacy.tinker_path, owner=theirs).meta == {"is_lora": True}
+    assert store.resolve(legacy.tinker_path, owner=theirs).meta["is_lora"] is True
 
 
 # ------------------------------------------------------------------------------ one server
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
     srv = start_server(tiny_model_path, tmp_path_factory.mktemp("serve_limits"), max_full_clients=1,
-                       max_request_bytes=200 * 2 ** 20, max_json_bytes=2 ** 20)
+                       max_request_bytes=200 * 2 ** 20, max_json_bytes=2 ** 20, checkpoint_sweep_s=0.5)
     yield srv
     srv.stop()
 
@@ -270,10 +270,12 @@ def test_another_keys_checkpoint_loads_only_once_published(two_key_server):
 def test_a_field_the_server_does_not_honour_is_refused_by_name():
     from dsrl.serve.requests import check_fields
 
-    check_fields("save_weights", {"model_id": "m", "path": "p", "seq_id": 1, "ttl_seconds": None, "type": "save_weights"})
-    with pytest.raises(UserError, match=r"save_weights: field 'ttl_seconds' is set \('3600'\), but checkpoints here "
-                                        r"never expire"):
-        check_fields("save_weights", {"model_id": "m", "path": "p", "ttl_seconds": 3600})
+    check_fields("save_weights", {"model_id": "m", "path": "p", "seq_id": 1, "ttl_seconds": 3600, "type": "save_weights"})
+    check_fields("save_weights_for_sampler", {"model_id": "m", "path": "p", "ttl_seconds": 3600,
+                                              "user_metadata": {"a": "b"}})
+    with pytest.raises(UserError, match=r"load_weights: field 'weights_access_token' is set \('tok'\), but "
+                                        r"checkpoints of other accounts are reached by publishing them"):
+        check_fields("load_weights", {"path": "tinker://a/weights/b", "weights_access_token": "tok"})
     with pytest.raises(UserError, match="asample: field 'record_stability_info' is set .* stable_reinforce"):
         check_fields("asample", {"prompt": {}, "record_stability_info": True})
     with pytest.raises(UserError, match=r"asample: field 'topk_prompt_logprobs' is set \('3'\), but it is not "
@@ -361,13 +363,67 @@ def test_an_endpoint_the_server_does_not_serve_is_404_naming_it(server):
         assert http.get("/api/v1/healthz", headers={"X-API-Key": KEY}).json() == {"status": "ok"}
 
 
-def test_the_sdk_sees_a_refused_field_as_a_failed_request_and_the_client_goes_on(sc):
+def test_checkpoints_with_a_ttl_expire_and_are_listed_with_their_expiry(server, sc):
+    """save_state(ttl_seconds=...) (tinker-cookbook's periodic checkpoints: 7 days) failed with "field
+    'ttl_seconds' is set ..., but checkpoints here never expire". Now: listed with the expiry
+    (RestClient.list_checkpoints, list_user_checkpoints, get_training_run), deleted by the sweep
+    once expired (serve.checkpoint_sweep_s, 0.5 s here), expiry changed or removed by its owner
+    (set_checkpoint_ttl_from_tinker_path), deleted on request (delete_checkpoint_from_tinker_path,
+    the cookbook's rolling checkpoints)."""
     import tinker
 
-    client = sc.create_lora_training_client(MODEL_NAME, rank=2).result()
-    with pytest.raises(tinker.RequestFailedError, match="field 'ttl_seconds' is set .* checkpoints here never expire"):
-        client.save_state("ttl", ttl_seconds=60).result()
-    assert client.save_state("no-ttl").result().path.endswith("/weights/no-ttl")  # its seq_id was consumed
+    client = sc.create_lora_training_client(MODEL_NAME, rank=2, user_metadata={"renderer": "r1"}).result()
+    rest = sc.create_rest_client()
+    t0 = time.time()
+    week = client.save_state("week", ttl_seconds=604800).result().path
+    short = client.save_weights_for_sampler("short", ttl_seconds=1).result().path
+    kept = client.save_state("kept").result().path
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(client.model_id).result().checkpoints}
+    assert set(listed) == {week, short, kept}
+    assert abs(listed[week].expires_at.timestamp() - (t0 + 604800)) < 60 and listed[kept].expires_at is None
+    assert listed[short].checkpoint_type == "sampler" and listed[week].checkpoint_type == "training"
+    folder = server.service.store.root / client.model_id / "sampler_weights" / "short"
+    deadline = time.monotonic() + 20
+    while folder.exists() and time.monotonic() < deadline:  # nobody touches it: the sweep deletes it
+        time.sleep(0.1)
+    assert not folder.exists()
+    with pytest.raises(tinker.BadRequestError, match="does not exist on this server"):
+        sc.create_sampling_client(model_path=short).sample(
+            tinker.types.ModelInput.from_ints([5, 6]), 1, tinker.types.SamplingParams(max_tokens=1)).result()
+    rest.set_checkpoint_ttl_from_tinker_path(week, None).result()
+    rest.delete_checkpoint_from_tinker_path(kept).result()
+    listed = rest.list_checkpoints(client.model_id).result().checkpoints
+    assert [(c.tinker_path, c.expires_at) for c in listed] == [(week, None)]
+    assert week in [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
+    run = rest.get_training_run_by_tinker_path(week).result()
+    assert (run.is_lora, run.lora_rank, run.last_checkpoint.tinker_path) == (True, 2, week)
+    assert run.user_metadata == {"renderer": "r1"} and run.last_sampler_checkpoint is None
+    with pytest.raises(Exception, match="does not exist on this server"):
+        sc.create_training_client_from_state(kept).result()
+    assert client.save_state("after", ttl_seconds=3600).result().path.endswith("/weights/after")  # it goes on
+
+
+def test_a_failed_create_from_state_frees_its_lora_slot(tiny_model_path, tmp_path):
+    """create_training_client_from_state whose load fails (here: a damaged adapter file) released
+    the slot it had built but kept the client counted against serve.max_lora_slots as long as the
+    session lived: the next create failed with "all 1 LoRA slots are in use (serve.max_lora_slots)"."""
+    srv = start_server(tiny_model_path, tmp_path, max_lora_slots=1)
+    try:
+        first = service_client(srv.url)
+        path = first.create_lora_training_client(MODEL_NAME, rank=2).result().save_state("s").result().path
+        first.close("success").result()  # finishes its session: its client is released
+        deadline = time.monotonic() + 30
+        while srv.service.models and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for f in srv.service.store.resolve(path).folder.glob("*.safetensors"):
+            f.write_bytes(b"not a safetensors file")
+        second = service_client(srv.url)
+        with pytest.raises(Exception, match="SafetensorError|header"):
+            second.create_training_client_from_state(path).result()
+        assert second.create_lora_training_client(MODEL_NAME, rank=2).result().get_info().lora_rank == 2
+        second.close("success").result()
+    finally:
+        srv.stop()
 
 
 def test_a_silent_session_expires_and_frees_its_clients(tiny_model_path, tmp_path):

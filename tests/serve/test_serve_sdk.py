@@ -196,6 +196,29 @@ def test_gspo_through_the_sdk_reads_sequence_ratio_mask(client):
     _still_serves(client)
 
 
+def test_gspo_without_a_marked_token_is_the_clients_error(client, caplog):
+    """A datum whose sequence_ratio_mask marks none of its loss tokens has no sequence ratio: the
+    request fails naming the datum, as a user error without a stack trace in the server's log
+    (it was category 'server', logged with a traceback)."""
+    import logging
+
+    import tinker
+
+    rng = np.random.default_rng(6)
+    data = []
+    for n, mask in ((5, [0.0, 1.0, 1.0, 1.0, 1.0]), (6, [0.0] * 6)):
+        toks, tgt = rng.integers(3, 49152, n), rng.integers(3, 49152, n)
+        data.append(datum(toks, target_tokens=tgt, logprobs=-rng.uniform(4, 12, n), advantages=rng.normal(0, 1, n),
+                          sequence_ratio_mask=mask))
+    with caplog.at_level(logging.INFO, logger="dsrl.serve"):
+        with pytest.raises(tinker.RequestFailedError) as err:
+            client.forward_backward(data, "gspo").result()
+    assert err.value.category == "user", err.value.category
+    assert "loss_fn 'gspo': datum 1: loss_fn_inputs['sequence_ratio_mask'] marks none of its tokens" in str(err.value)
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    _still_serves(client)
+
+
 def test_unknown_config_key_is_a_clear_error(client):
     _fails(client.forward(random_batch(1, "ppo", seed=1), "ppo", {"clip_hi": 1.5}),
            "unknown loss_fn_config key 'clip_hi'", "'ppo'")

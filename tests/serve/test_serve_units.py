@@ -233,7 +233,7 @@ def test_checkpoint_store_paths_and_errors(tmp_path):
     store = CheckpointStore(tmp_path)
     ck = store.write("s-1:train:0", "weights", "step1", {"is_lora": True}, lambda d: (d / "x.bin").write_bytes(b"1"))
     assert ck.tinker_path == "tinker://s-1:train:0/weights/step1"
-    assert store.resolve(ck.tinker_path).meta == {"is_lora": True}
+    assert store.resolve(ck.tinker_path).meta == {"is_lora": True, "created_at": ck.meta["created_at"]}
     with pytest.raises(UserError, match="already exists"):
         store.write("s-1:train:0", "weights", "step1", {}, lambda d: None)
     with pytest.raises(UserError, match="does not exist"):
@@ -245,6 +245,52 @@ def test_checkpoint_store_paths_and_errors(tmp_path):
             store.resolve(bad)
     with pytest.raises(UserError, match="checkpoint name"):
         store.write("s-1:train:0", "weights", "a/b", {}, lambda d: None)
+
+
+def test_a_checkpoint_with_a_ttl_expires_is_refused_by_name_and_collected(tmp_path):
+    """save_state / save_weights_for_sampler with ttl_seconds (the cookbook's periodic checkpoints:
+    604800) were refused ("checkpoints here never expire"); now the checkpoint records its expiry,
+    is listed with it, is refused naming the time once past it, and is deleted: when touched, or
+    by the sweep (`collect_expired`) when nobody touches it. Its owner may change the expiry."""
+    import time as _time
+
+    from dsrl.serve.store import CheckpointStore, check_ttl
+
+    store = CheckpointStore(tmp_path)
+    t0 = _time.time()
+    keep = store.write("s-1:train:0", "weights", "keep", {"owner": "me"}, lambda d: (d / "x.bin").write_bytes(b"12"),
+                       ttl_seconds=604800)
+    short = store.write("s-1:train:0", "sampler_weights", "short", {"owner": "me", "user_metadata": {"k": "v"}},
+                        lambda d: None, ttl_seconds=1)
+    forever = store.write("s-1:train:0", "weights", "forever", {"owner": "me"}, lambda d: None)
+    assert abs(keep.meta["expires_at"] - (t0 + 604800)) < 5 and "expires_at" not in forever.meta
+    listed = {c["checkpoint_id"]: c for c in store.entries("s-1:train:0", owner="me")}
+    assert sorted(listed) == ["sampler_weights/short", "weights/forever", "weights/keep"]
+    assert listed["weights/keep"]["expires_at"].startswith(
+        _time.strftime("%Y-%m-%dT", _time.gmtime(keep.meta["expires_at"])))
+    assert listed["weights/forever"]["expires_at"] is None and listed["weights/keep"]["size_bytes"] > 2
+    assert listed["sampler_weights/short"]["checkpoint_type"] == "sampler"
+    assert listed["sampler_weights/short"]["user_metadata"] == {"k": "v"}
+    assert store.entries("s-1:train:0", owner="someone else") == []
+    _time.sleep(max(0.0, short.meta["expires_at"] - _time.time()) + 0.05)
+    with pytest.raises(UserError, match=r"checkpoint 'tinker://s-1:train:0/sampler_weights/short' expired at "
+                                        r"\d{4}-\d\d-\d\dT.* \(the ttl_seconds it was saved with\) and was deleted"):
+        store.resolve(short.tinker_path)
+    assert not short.folder.exists()
+    # the sweep collects what nobody touched; the owner's set_ttl moves the expiry (None: never)
+    assert store.collect_expired(now=keep.meta["expires_at"] + 1) == [keep.tinker_path] and not keep.folder.exists()
+    with pytest.raises(UserError, match="only its owner may set the expiry of it"):
+        store.set_ttl(forever.tinker_path, "someone else", 60)
+    assert store.set_ttl(forever.tinker_path, "me", 60).meta["expires_at"] > t0
+    assert store.collect_expired() == []
+    assert store.set_ttl(forever.tinker_path, "me", None).meta["expires_at"] is None
+    with pytest.raises(UserError, match="only its owner may delete it"):
+        store.delete(forever.tinker_path, owner="someone else")
+    store.delete(forever.tinker_path, owner="me")
+    assert store.entries() == []
+    for bad in (0, -5, True, 1.5, "60", 10 * 365 * 86400 + 1):
+        with pytest.raises(UserError, match="save_weights: ttl_seconds=.* must be null"):
+            check_ttl(bad, "save_weights")
 
 
 # ------------------------------------------------------------------------------ multi-LoRA pool
@@ -384,7 +430,9 @@ def test_sampling_seed_is_checked_and_reaches_vllm():
 
 def test_a_failed_load_frees_the_slot_it_built():
     """create_training_client_from_state whose checkpoint does not fit: the model built for it is
-    released (its LoRA slot or DeepSpeed engine freed) and never registered; the error is answered."""
+    released (its LoRA slot or DeepSpeed engine freed) and never registered, no longer counted
+    against serve.max_lora_slots / max_full_clients; the error is answered. A build that fails
+    is not counted either."""
     from types import SimpleNamespace
 
     from dsrl.serve.errors import UserError
@@ -398,10 +446,19 @@ def test_a_failed_load_frees_the_slot_it_built():
         raise UserError("load_weights: tinker://x holds a full state; this client is LoRA")
 
     fake = SimpleNamespace(models={}, _build_model=lambda lane, spec: model, _load_into=bad_load,
+                           model_meta={"s-1:train:0": {"is_lora": True}, "s-1:train:1": {"is_lora": False}},
                            futures=SimpleNamespace(resolve=lambda *a: pytest.fail("resolved a failed load")))
     with pytest.raises(UserError, match="holds a full state"):
         Service._do_create(fake, [Op("create", "s-1:train:0", "r1", payload=(None, (object(), True)))])
-    assert released == [True] and fake.models == {}
+    assert released == [True] and fake.models == {} and fake.model_meta["s-1:train:0"]["released"] is True
+
+    def no_memory(lane, spec):
+        raise MemoryError("no room for another engine")
+
+    fake._build_model = no_memory
+    with pytest.raises(MemoryError):
+        Service._do_create(fake, [Op("create", "s-1:train:1", "r2", payload=(None, None))])
+    assert fake.model_meta["s-1:train:1"]["released"] is True and fake.models == {}
 
 
 def test_finish_session_answers_requests_waiting_for_a_seq_id_that_never_came():
