@@ -1,11 +1,16 @@
 """The `reasoning_gym` verifier: a reasoning-gym task's own scorer on the completion's answer.
 
 The answer is the text of the completion's last `<answer>...</answer>` tag (reasoning-gym's
-`extract_answer`); a completion without one is taken whole, surrounding whitespace stripped (the
-prompts of data=reasoning_gym ask for the final answer alone). The task's scorer
-(`score_answer(answer, entry)`, entry = {question, answer, metadata} of the prompt's item) gives a
-value in [0, 1]; many scorers give partial credit (an answer that contains the right one scores
-len(right) / len(answer)): `reward.strict=true` turns every score below 1 into 0.
+`extract_answer`). A completion without one falls back to its final statement: its last non-empty
+line; and where the task's reference answer is one word (a number, a word), the last word of that
+line with surrounding punctuation and markdown (`.,;:!?*_"'` and backticks) stripped, so "3 + 5 = 8"
+and "The answer is 8." give "8" (a small model states answers that way: whole completions scored as
+answers reward the bare number, and the model then drops the working it computes with). Tasks
+whose answers span several words need the tag (ask for it in data.instruction).
+
+The task's scorer (`score_answer(answer, entry)`, entry = {question, answer, metadata} of the
+prompt's item) gives a value in [0, 1]; many scorers give partial credit (an answer that contains
+the right one scores len(right) / len(answer)): `reward.strict=true` turns every score below 1 into 0.
 """
 from __future__ import annotations
 
@@ -23,12 +28,24 @@ def task_scorer(task: str) -> Callable[[Optional[str], dict], float]:
     return reasoning_gym.get_score_answer_fn(task)
 
 
-def extract_answer(completion_text: str) -> str:
-    """The last `<answer>` tag's text, else the whole completion (stripped)."""
+_PUNCT = ".,;:!?*_\"'`"
+
+
+def extract_answer(completion_text: str, reference: str = "") -> str:
+    """The last `<answer>` tag's text, else the completion's final statement (module doc)."""
     from reasoning_gym.utils import extract_answer as tag_text
 
-    tagged = tag_text(completion_text or "")
-    return tagged if tagged is not None else (completion_text or "").strip()
+    text = completion_text or ""
+    tagged = tag_text(text)
+    if tagged is not None:
+        return tagged
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    last = lines[-1]
+    if len(str(reference).split()) == 1:
+        return last.split()[-1].strip(_PUNCT)
+    return last
 
 
 @register_verifier("reasoning_gym")
@@ -39,4 +56,4 @@ def reasoning_gym_score(completion_text: str, prompt: Any) -> float:
         raise ValueError("the reasoning_gym verifier scores prompts of data=reasoning_gym (meta task, question, "
                          f"metadata); this prompt's meta has {sorted(meta)}")
     entry = {"question": meta["question"], "answer": prompt.answer, "metadata": meta.get("metadata", {})}
-    return float(task_scorer(meta["task"])(extract_answer(completion_text), entry))
+    return float(task_scorer(meta["task"])(extract_answer(completion_text, prompt.answer), entry))

@@ -38,6 +38,19 @@ def test_items_are_the_tasks_own_and_scored_by_its_scorer():
         assert verifier(p.answer, p) == 1.0
         assert verifier(f"<answer>{p.answer}</answer>", p) == 1.0
         assert verifier(f"I think {int(p.answer) + 1}", p) == 0.0
+        # No <answer> tag: the last word of the last line, punctuation and markdown stripped.
+        assert verifier(f"The answer is **{p.answer}**.", p) == 1.0
+        assert verifier(f"{p.meta['question'].split(':')[-1].strip(' =')} = {p.answer}", p) == 1.0
+        assert verifier(f"{p.answer} is what I get, not", p) == 0.0
+
+
+def test_the_fallback_answer():
+    from dsrl.reward.reasoning_gym import extract_answer
+
+    assert extract_answer("work\n<answer> -4 </answer>\n<answer>7</answer> bye", "7") == "7"
+    assert extract_answer("3 - 7 = -4.", "-4") == "-4" and extract_answer("It is `12`!\n\n", "12") == "12"
+    assert extract_answer("first\nThe words: cat, dog.", "cat, dog") == "The words: cat, dog."
+    assert extract_answer("", "1") == "" and extract_answer("  \n ", "1") == ""
 
 
 def test_train_and_eval_disjoint_by_question_and_same_seed_same_prompts():
