@@ -152,7 +152,7 @@ def pytest_terminal_summary(terminalreporter):
     if "python_loop_s" in _CALIBRATION:
         terminalreporter.write_line(
             f"machine speed: 1e6-iteration Python loop {_CALIBRATION['python_loop_s'] * 1000:.0f} ms "
-            f"(best of 3, at the start; README \"Two workers, markers, and where the time goes\")")
+            f"(best of 3, at the start; docs/benchmarks.md \"Test suite timings\")")
 
 
 def _group(path: str) -> str:
