@@ -13,7 +13,7 @@ whole input each call; nothing is stored, whatever `store` says)."""
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 from dsrl.agent.endpoint.book import EndpointError, _text
 from dsrl.agent.endpoint.chat import ChatRequest, canonical_messages
@@ -87,19 +87,13 @@ def input_messages(body: dict) -> list:
     return messages
 
 
-def _tools(tools: Any) -> list:
-    if tools in (None, []):
-        return []
+def _tools(tools: Any) -> Any:
+    """The Responses API's flat function tools ({type, name, description, parameters}) in the chat
+    shape; anything else is left as it is for ChatProtocol's check (which refuses it by name)."""
     if not isinstance(tools, list):
-        raise EndpointError(400, "invalid_tools", "tools must be a list", param="tools")
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise EndpointError(400, "unsupported_tool", f"tools[{i}]: type {kind!r}: only function tools are "
-                                "supported", param=f"tools[{i}]")
-        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}})
-    return out
+        return tools
+    return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+            if isinstance(t, dict) and t.get("type") == "function" and "function" not in t else t for t in tools]
 
 
 def chat_body(body: dict) -> dict:
