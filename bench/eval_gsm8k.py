@@ -13,45 +13,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.join(HERE, "..")
 
 
 def _config(overrides):
-    from hydra import compose, initialize_config_dir
+    from eval_kit import preset_config
 
-    from dsrl.config.schema import register_configs, to_config
-    from dsrl.main import _resolve_hardware
-
-    register_configs()
-    with initialize_config_dir(config_dir=os.path.abspath(os.path.join(ROOT, "conf")), version_base=None):
-        node = compose(config_name="config", overrides=["+exp=gsm8k_reasoning", *overrides])
-    cfg = to_config(node)
-    _resolve_hardware(cfg, node)
-    return cfg
+    return preset_config("gsm8k_reasoning", overrides)
 
 
 def evaluate_model(path: str, cfg, num: int, samples: int) -> dict:
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from dsrl.data.chat import apply_chat_template
-    from dsrl.data.registry import build_source
     from dsrl.reward.verifiers import gsm8k_format, gsm8k_last_number, states_final_answer
-    from dsrl.rollout.vllm_engine import engine_env
-    from dsrl.setup_assets import default_cache_dir, resolve_model_path
+    from eval_kit import engine_and_prompts
 
-    os.environ.update(engine_env(cfg.rollout.kv_cache_gib, 0, 1, multiprocess=True))  # vllm.LLM here, its core apart
-    path = resolve_model_path(path, str(default_cache_dir()))
-    tok = AutoTokenizer.from_pretrained(path)
-    prompts = build_source(cfg.data).eval_set(num)
-    ids = [{"prompt_token_ids": apply_chat_template(tok, p, cfg.data.system_prompt, cfg.data.chat_template)}
-           for p in prompts]
-    llm = LLM(model=path, tokenizer=path, dtype=cfg.rollout.dtype, max_model_len=cfg.rollout.max_model_len,
-              enforce_eager=True, seed=cfg.rollout.seed)
+    llm, prompts, ids = engine_and_prompts(path, cfg, num)
     out = {}
     for mode, params in (("greedy", SamplingParams(n=1, temperature=0.0, max_tokens=cfg.rollout.max_new_tokens)),
                          (f"T={cfg.rollout.temperature} x{samples}",
@@ -79,16 +56,11 @@ def main() -> int:
     if args.one is not None:
         print("RESULT " + json.dumps(evaluate_model(args.one, cfg, args.num, args.samples)), flush=True)
         return 0
-    import subprocess
+    from eval_kit import result_of_model
 
     for m in args.models:  # one process per model: a vLLM engine per process, freed on exit
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", m, "--num", str(args.num),
-                            "--samples", str(args.samples), m], capture_output=True, text=True)
-        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-        if r.returncode != 0 or not lines:
-            print(f"{m}: failed (rc {r.returncode}): {(r.stderr or '').strip().splitlines()[-3:]}", flush=True)
-            continue
-        for mode, v in json.loads(lines[-1][len("RESULT "):]).items():
+        result = result_of_model(__file__, m, ["--num", str(args.num), "--samples", str(args.samples), m])
+        for mode, v in (result or {}).items():
             print(f"{m} | {mode:10s} | n {v['n']} | accuracy {v['accuracy']:.3f} | ends 'answer is N' "
                   f"{v['states_answer']:.3f} | stopped {v['stopped']:.3f} | gsm8k_format reward "
                   f"{v['reward_gsm8k_format']:.4f} | mean tokens {v['mean_tokens']:.0f}", flush=True)
