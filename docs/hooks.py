@@ -38,11 +38,20 @@ def site_links(text: str) -> str:
     return re.sub(r"\[([^\]]+)\]\(LICENSE\)", r"\1 (the file `LICENSE`)", text)
 
 
+def _put(files, config, src_uri: str, content: str) -> None:
+    """A generated page; it replaces the file of that name in docs/ (a pointer for readers of the
+    repository, such as docs/reference/configuration.md)."""
+    old = files.get_file_from_path(src_uri)
+    if old is not None:
+        files.remove(old)
+    files.append(File.generated(config, src_uri, content=content))
+
+
 def on_files(files, config):
-    files.append(File.generated(config, "reference/configuration.md", content=gen_config_ref.render()))
-    files.append(File.generated(config, "index.md", content=site_links((ROOT / "README.md").read_text())))
+    _put(files, config, "reference/configuration.md", gen_config_ref.render())
+    _put(files, config, "index.md", site_links((ROOT / "README.md").read_text()))
     for page, source in ROOT_PAGES.items():
-        files.append(File.generated(config, page, content=site_links((ROOT / source).read_text())))
+        _put(files, config, page, site_links((ROOT / source).read_text()))
     return files
 
 
