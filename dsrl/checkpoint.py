@@ -46,6 +46,7 @@ import torch.distributed as dist
 from dsrl.distributed.collectives import broadcast_from_rank0
 from dsrl.distributed.ranks import global_rank, local_rank, world_size
 from dsrl.errors import ConfigError
+from dsrl.rollout.faults import kill_point
 
 log = logging.getLogger("dsrl")
 
@@ -224,18 +225,19 @@ def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, rank_state: di
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    actor.save_checkpoint(tmp)
-    if critic is not None:
-        critic.save_checkpoint(tmp)
-    actor.save_hf(os.path.join(tmp, "hf"), tokenizer=tokenizer)  # collective (gathers under ZeRO-3)
-    # The RNGs last, after the exports above (library code may draw from the global generators).
-    # torch's generator (dropout) resumes exactly; python's and numpy's are also drawn by library
-    # code on paths a resumed process does not share with the uninterrupted one (its start-up),
-    # and no dsrl number comes from them (tests/e2e/test_e2e_resume.py).
-    torch.save({"rng": capture_rng(), "trainer": rank_state}, os.path.join(tmp, f"rank-{global_rank()}.pt"))
-    if global_rank() == 0:
-        with open(os.path.join(tmp, SHARED_STATE), "w") as f:
-            json.dump({"step": step, "world_size": world_size(), **shared}, f)
+    with kill_point("checkpoint", step):
+        actor.save_checkpoint(tmp)
+        if critic is not None:
+            critic.save_checkpoint(tmp)
+        actor.save_hf(os.path.join(tmp, "hf"), tokenizer=tokenizer)  # collective (gathers under ZeRO-3)
+        # The RNGs last, after the exports above (library code may draw from the global generators).
+        # torch's generator (dropout) resumes exactly; python's and numpy's are also drawn by library
+        # code on paths a resumed process does not share with the uninterrupted one (its start-up),
+        # and no dsrl number comes from them (tests/e2e/test_e2e_resume.py).
+        torch.save({"rng": capture_rng(), "trainer": rank_state}, os.path.join(tmp, f"rank-{global_rank()}.pt"))
+        if global_rank() == 0:
+            with open(os.path.join(tmp, SHARED_STATE), "w") as f:
+                json.dump({"step": step, "world_size": world_size(), **shared}, f)
     _barrier()  # every rank's files are on disk
     if writer:
         _write_manifest(tmp)

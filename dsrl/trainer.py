@@ -20,6 +20,7 @@ from dsrl.distributed.collectives import all_reduce_max
 from dsrl.distributed.ranks import global_rank, is_main_rank, world_size
 from dsrl.errors import RunStopped
 from dsrl.rollout.async_buffer import AsyncBuffer
+from dsrl.rollout.faults import kill_point
 from dsrl.rollout.memory import EngineMemory, sleep_mode_wanted
 from dsrl.rollout.rewards import RewardGuard
 from dsrl.rollout.weight_sync import WeightSync
@@ -31,7 +32,7 @@ from dsrl.stages.scoring import ScoringPasses
 from dsrl.stages.state import LoopState
 from dsrl.tracking import MetricsLogger, PhaseTimer, plot_run
 from dsrl.validation.reuse import ReuseDecision, steps_per_rollout
-from dsrl.validation.validate import async_mode
+from dsrl.validation.validate import async_mode, probe_every
 
 log = logging.getLogger("dsrl")
 PHASES = ("rollout", "old_logprobs", "ref_logprobs", "teacher_logprobs", "critic_values", "critic_train", "train",
@@ -44,7 +45,7 @@ def async_buffer_for(cfg: Config):
         return None
     return AsyncBuffer(groups_per_batch=cfg.algo.rollout_batch_size // world_size(), n=cfg.algo.n_samples_per_prompt,
                        k=cfg.algo.off_policy_steps, total_batches=cfg.trainer.total_steps,
-                       drop_stale=cfg.algo.stale_groups == "drop")
+                       drop_stale=cfg.algo.stale_groups == "drop", bind=cfg.algo.stale_groups == "admission")
 
 
 class Trainer:
@@ -70,7 +71,8 @@ class Trainer:
         self.stop_signal: Optional[int] = None  # set by a signal handler: stop after this step
         # A colocated CUDA engine sleeps through the train phase (dsrl.rollout.memory); a no-op elsewhere.
         self.memory = EngineMemory(worker, sleep_mode_wanted(cfg))
-        self.weight_sync = WeightSync(actor, worker, cfg.rollout, memory=self.memory, schedule=self.state.sync)
+        self.weight_sync = WeightSync(actor, worker, cfg.rollout, memory=self.memory, schedule=self.state.sync,
+                                      probe_every=probe_every(cfg))
         self.rollout = RolloutStage(cfg, worker=worker, tokenizer=tokenizer, source=source, verifier=self.verifier,
                                     prompt_ids_fn=prompt_ids_fn, state=self.state)
         self.critic_update = (CriticUpdate(cfg, critic, pad_id=pad_id, algo=self.algo, skips=self.state.critic_skips)
@@ -168,7 +170,7 @@ class Trainer:
         t_step = time.perf_counter()
         # Rollout and rewards (this rank's share of the prompts). Under algo.off_policy_steps=1 it
         # was generated during the previous step, and the next step's starts now, beside training.
-        with self.timer.phase("rollout"), self.memory.for_rollout():
+        with self.timer.phase("rollout"), self.memory.for_rollout(), kill_point("rollout", step):
             rollout = self.rollout.collect(step)
         if self.rollout.mode == "overlap" and step < self.cfg.trainer.total_steps:
             self.rollout.start_next(step + 1)
@@ -181,7 +183,7 @@ class Trainer:
         # schedules load it between two generation chunks.
         with self.timer.phase("rollout"):
             self.state.next_rollout.wait()
-        with self.timer.phase("weight_sync"):
+        with self.timer.phase("weight_sync"), kill_point("weight_push", step):
             metrics.update(self.rollout.push(step, lambda: self.weight_sync.push(step)))
         self.state.weights_step = step
         rollout_metrics = self.rollout.metrics(step, rollout)
@@ -195,7 +197,8 @@ class Trainer:
         """Scoring passes that are needed -> advantages -> optimizer step(s) on `samples` of RL step
         `step`. With a critic (gae): its values pass before the advantages, and per optimizer step a
         critic step (value loss, own engine) before the actor's."""
-        scored = self.scoring.run(samples, step=step)
+        with kill_point("scoring", step):
+            scored = self.scoring.run(samples, step=step)
         metrics: dict = {}
         per_step = len(samples) // self.steps_per_rollout
         for k in range(self.steps_per_rollout):
@@ -205,7 +208,7 @@ class Trainer:
                 fields = {"returns": list(scored.data["returns"])[lo:hi], "old_values": list(scored.data["values"])[lo:hi]}
                 with self.timer.phase("critic_train"):
                     m.update(self.critic_update.step(samples[lo:hi], fields, step=step))
-            with self.timer.phase("train"):
+            with self.timer.phase("train"), kill_point("optimizer", step):
                 idx = [i for i in scored.trained if lo <= i < hi]
                 m.update(self.policy.step([samples[i] for i in idx],
                                           {n: [v[i] for i in idx] for n, v in scored.token_fields.items()},

@@ -245,7 +245,10 @@ class AlgoConfig:
     # auto: overlap for k = 1, clock for k >= 2.
     async_schedule: str = "auto"
     # clock | deterministic: a group whose oldest token is more than off_policy_steps versions behind
-    # the step that trains it is dropped (drop, counted: async/dropped_groups) or trained (keep).
+    # the step that trains it is dropped (drop, counted: async/dropped_groups) or trained (keep);
+    # admission: bounded where it starts instead (group i joins batch i // B + 1, admitted only while
+    # that batch is at most off_policy_steps versions ahead of the engine's weights): none is ever
+    # staler or dropped, and a long group holds its batch back (long-tailed tasks).
     stale_groups: str = "drop"
     # Keep a frozen copy of the actor as the old policy (breaks reuse).
     keep_old_actor: bool = False

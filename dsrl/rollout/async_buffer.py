@@ -18,7 +18,12 @@ engine's weights; a finished group is scored and joins the open batch (completio
 group does not hold a batch back). A group whose oldest token is still more than k versions behind
 the step that trains it (overtaken by later groups while the weights moved on) is dropped
 (`algo.stale_groups=drop`, counted) or trained with its staleness logged (`keep`; the objective's
-correction, TIS or the rollout log-probs as the old policy, weighs it). Batch b is step b's rollout.
+correction, TIS or the rollout log-probs as the old policy, weighs it). Completion order favours
+short generations: under `drop` the long ones are the ones overtaken and dropped. `admission`
+bounds staleness where it starts instead: group i joins batch i // B + 1 (admission order), and
+is admitted only while that batch is at most k versions ahead of the engine's weights, so no group
+is ever staler than k and none is dropped; a long group holds its batch (and the trainer) back.
+Batch b is step b's rollout.
 
 Two schedules:
 - `clock`: a push loads as soon as the trainer has new weights (at the next chunk boundary);
@@ -118,6 +123,7 @@ class AsyncBuffer:
     k: int  # algo.off_policy_steps
     total_batches: int  # trainer.total_steps: no group is admitted once that many batches closed
     drop_stale: bool = True  # algo.stale_groups=drop
+    bind: bool = False  # algo.stale_groups=admission: group i joins batch i // groups_per_batch + 1
     admitted: int = 0
     closed: int = 0  # batches closed so far
     taken: int = 0  # batches handed to the trainer
@@ -128,6 +134,7 @@ class AsyncBuffer:
     active: List[Group] = field(default_factory=list)
     open_batch: List[Group] = field(default_factory=list)
     open_dropped: List[Group] = field(default_factory=list)
+    waiting: List[Group] = field(default_factory=list)  # bind: finished groups of batches after the open one
     ready: Deque[Batch] = field(default_factory=collections.deque)
     prompt_state: Optional[tuple] = None  # the prompt RNG's state at the snapshot
     # deterministic after an inexact resume: the version the chunks need at least (the checkpoint's
@@ -152,6 +159,9 @@ class AsyncBuffer:
         that admits exactly what fills the open batch: nothing is in flight when a batch closes."""
         if self.done or len(self.active) >= self.groups_per_batch:
             return False
+        if self.bind:  # the batch this group joins, fixed now
+            batch = self.admitted // self.groups_per_batch + 1
+            return batch <= self.total_batches and batch - 1 - self.version <= self.k
         ahead = (len(self.open_batch) + len(self.active)) // self.groups_per_batch
         return self.closed + ahead - self.version <= self.k
 
@@ -181,24 +191,36 @@ class AsyncBuffer:
 
     def complete(self, group: Group) -> None:
         """A scored group leaves the flight: it joins the open batch, or is dropped as too stale
-        for the step that would train it; a full open batch closes."""
+        for the step that would train it (bind: it joins the batch fixed at its admission, now or
+        when that batch opens); a full open batch closes."""
         self.active.remove(group)
-        trained_at = self.closed + 1
-        if self.drop_stale and trained_at - 1 - group.oldest_version > self.k:
+        if self.bind:
+            if group.index // self.groups_per_batch == self.closed:
+                self.open_batch.append(group)
+            else:
+                self.waiting.append(group)
+        elif self.drop_stale and self.closed - group.oldest_version > self.k:
             self.open_dropped.append(group)
         else:
             self.open_batch.append(group)
-        if len(self.open_batch) == self.groups_per_batch:
-            dropped = self.open_dropped
-            self.ready.append(Batch(trained_at, self.open_batch, dropped_ids=[g.index for g in dropped],
-                                    dropped_samples=sum(len(g.trajectories) for g in dropped),
-                                    dropped_reward_sum=sum(sum(g.rewards) for g in dropped),
-                                    dropped_length_sum=sum(len(t.response_ids) for g in dropped
-                                                           for t in g.trajectories)))
-            self.open_batch, self.open_dropped = [], []
-            self.closed += 1
-            # at the end, the groups in flight stay in the buffer (never trained by this run; a
-            # resume with a larger trainer.total_steps continues them)
+        while len(self.open_batch) == self.groups_per_batch:
+            self._close()
+
+    def _close(self) -> None:
+        dropped = self.open_dropped
+        self.ready.append(Batch(self.closed + 1, self.open_batch, dropped_ids=[g.index for g in dropped],
+                                dropped_samples=sum(len(g.trajectories) for g in dropped),
+                                dropped_reward_sum=sum(sum(g.rewards) for g in dropped),
+                                dropped_length_sum=sum(len(t.response_ids) for g in dropped
+                                                       for t in g.trajectories)))
+        self.open_batch, self.open_dropped = [], []
+        self.closed += 1
+        # at the end, the groups in flight stay in the buffer (never trained by this run; a
+        # resume with a larger trainer.total_steps continues them)
+        if self.bind and not self.done:  # the finished groups of the batch that opens now join it
+            joins = [g for g in self.waiting if g.index // self.groups_per_batch == self.closed]
+            self.waiting = [g for g in self.waiting if g not in joins]
+            self.open_batch = joins
 
     def take(self, step: int) -> Batch:
         batch = self.ready.popleft()
@@ -209,8 +231,8 @@ class AsyncBuffer:
 
     # ------------------------------------------------------------------ checkpoints
     _STATE = ("admitted", "closed", "taken", "version", "chunks", "version_chunks", "version_tokens", "active",
-              "open_batch", "open_dropped", "ready", "prompt_state", "floor")
-    _DEFAULTS = {"floor": 0}  # fields a checkpoint written before they existed lacks
+              "open_batch", "open_dropped", "waiting", "ready", "prompt_state", "floor")
+    _DEFAULTS = {"floor": 0, "waiting": []}  # fields a checkpoint written before they existed lacks
 
     def snapshot(self, prompt_state) -> None:
         """The state as it stands (called between two chunks). The groups in flight are copied;
@@ -218,7 +240,7 @@ class AsyncBuffer:
         self.prompt_state = prompt_state
         saved = {name: getattr(self, name) for name in self._STATE}
         saved["active"] = copy.deepcopy(self.active)
-        for name in ("open_batch", "open_dropped", "ready"):
+        for name in ("open_batch", "open_dropped", "waiting", "ready"):
             saved[name] = list(saved[name])
         saved["total_batches"] = self.total_batches  # not restored: says where the saved run would end
         self.saved = saved

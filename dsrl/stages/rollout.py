@@ -189,7 +189,11 @@ class RolloutStage:
         token_lags = [step - 1 - v for s in samples for v in s.extra["versions"]]
         counts = {"samples": len(samples), "staleness_sum": float(sum(lags)), "staleness_max": float(max(lags)),
                   "tokens": len(token_lags), "token_lag_sum": float(sum(token_lags)),
-                  "dropped_groups": batch.dropped, "engine_seconds": gen.generation_seconds}
+                  "stale_tokens": sum(1 for x in token_lags if x > 0),
+                  "spanning": sum(1 for s in samples if len(set(s.extra["versions"])) > 1),
+                  "trained_length_sum": sum(len(s.response_ids) for s in samples),
+                  "dropped_groups": batch.dropped, "dropped_samples": batch.dropped_samples,
+                  "dropped_length_sum": batch.dropped_length_sum, "engine_seconds": gen.generation_seconds}
         # staleness histogram (samples) and trained tokens per version lag; bucket k + 1: more than k
         by_lag, tokens_by_lag = Counter(min(x, k + 1) for x in lags), Counter(min(x, k + 1) for x in token_lags)
         for j in range(k + 2):
@@ -206,8 +210,12 @@ class RolloutStage:
         return out
 
     def _async_metrics(self, rollout: Rollout) -> dict:
-        """Staleness (per sample: the step before the trained one minus its oldest token's version),
-        its histogram, trained tokens per version lag, dropped groups, chunks; over all ranks."""
+        """Staleness (per sample: the step before the trained one minus its oldest token's version;
+        its max is the max over trained tokens), its histogram, trained tokens per version lag, the
+        mean token lag, the fraction of trained tokens sampled by an older version than the one
+        trained and of responses whose tokens span versions, and the dropped groups apart: their
+        count and mean response length beside the trained ones' (rollout/response_length mixes
+        both); over all ranks."""
         c = rollout.async_counts
         names = [n for n in c if n not in ("staleness_max", "engine_seconds")]
         tot = dict(zip(names, all_reduce_sum([float(c[n]) for n in names])))
@@ -215,6 +223,10 @@ class RolloutStage:
         out = {"async/staleness_mean": tot["staleness_sum"] / samples,
                "async/staleness_max": all_reduce_max(c["staleness_max"]),
                "async/token_lag_mean": tot["token_lag_sum"] / tokens,
+               "async/stale_token_fraction": tot["stale_tokens"] / tokens,
+               "async/spanning_responses": tot["spanning"] / samples,
+               "async/trained_response_length": tot["trained_length_sum"] / samples,
+               "async/dropped_response_length": tot["dropped_length_sum"] / max(tot["dropped_samples"], 1.0),
                "async/dropped_groups": tot["dropped_groups"],
                "timing/engine_generation": all_reduce_max(c["engine_seconds"])}
         for n in names:

@@ -28,7 +28,7 @@ _CHOICES = {
     "data.on_bad_row": ("error", "skip"),
     "actor.shared_prompt": ("auto", "on", "off"),
     "algo.async_schedule": ("auto", "overlap", "clock", "deterministic"),
-    "algo.stale_groups": ("drop", "keep"),
+    "algo.stale_groups": ("drop", "keep", "admission"),
     "critic.shared_prompt": (None, "auto", "on", "off"),  # null: actor.shared_prompt
 }
 # Numeric ranges: key -> (test, what the value must be). Every float must also be finite.

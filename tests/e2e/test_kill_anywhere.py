@@ -1,0 +1,138 @@
+"""Kill anywhere, resume, and get the uninterrupted run (real vLLM + DeepSpeed, tiny model, float32).
+
+Each launch of a run B is killed with SIGKILL to its whole process group (trainer and engines) at a
+seeded moment inside one phase (DSRL_KILL_AT, dsrl/rollout/faults.py: the kill lands inside the
+phase, at the seeded delay or at the phase's end if it is shorter), then launched again with
+trainer.resume=auto, until a launch finishes. Its metrics (timings aside) and final weights must
+equal the uninterrupted run A's bit for bit:
+- the synchronous loop (A: the session's uninterrupted run): killed in the rollout of step 2, the
+  optimizer step of step 3, and while writing the checkpoint of step 3 (the half-written folder is
+  never taken: the resume goes back to step 2's);
+- the deterministic asynchronous schedule (k = 2): killed in the scoring of step 2, then its vLLM
+  engine process killed mid-generation (rollout.max_restarts=0: the run stops naming the engine),
+  then killed in the weight push of step 3.
+A kill during a resumed launch re-runs the steps after the checkpoint it resumed from; the rows
+those steps logged before the kill are rewritten, so each step appears once."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from e2e_jobs import STEPS, TINY, UNINTERRUPTED, job_cmd, job_env, metric_rows, untimed_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+SEED = 41
+RESUME = ["trainer.resume=auto"]
+DETERMINISTIC = [*TINY, f"trainer.total_steps={STEPS}", "trainer.save_every=1", "algo.off_policy_steps=2",
+                 "algo.async_schedule=deterministic", "algo.use_tis=true", "algo.reuse_logprobs=auto",
+                 "rollout.chunk_tokens=3", "rollout.max_restarts=0"]
+
+
+def _kill(phase: str, step: int, rng: random.Random, longest: float) -> str:
+    return f"{phase}@{step}:{rng.uniform(0.0, longest):.3f}"
+
+
+def _group(pgid: int) -> list:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid:
+                out.append(p)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
+
+def _launch_killed(run_dir, overrides, kill: str) -> None:
+    """One launch, killed by its own kill point: SIGKILL to its process group (its own session),
+    and no process of the group survives."""
+    proc = subprocess.Popen(job_cmd(run_dir, *overrides, *RESUME), env=job_env(DSRL_KILL_AT=kill),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, (kill, proc.returncode, err[-3000:])
+    end = time.time() + 20
+    while _group(proc.pid) and time.time() < end:
+        time.sleep(0.2)
+    assert not _group(proc.pid), (kill, [p.name() for p in _group(proc.pid)])
+
+
+def _finish(run_dir, overrides) -> str:
+    r = subprocess.run(job_cmd(run_dir, *overrides, *RESUME), env=job_env(), capture_output=True, text=True,
+                       timeout=600, start_new_session=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r.stderr + r.stdout
+
+
+def _weights(run_dir):
+    return load_file(str(run_dir / "checkpoints" / f"step-{STEPS:06d}" / "hf" / "model.safetensors"))
+
+
+def _same_run(a, b) -> None:
+    assert [row["step"] for row in metric_rows(b)] == list(range(1, STEPS + 1))
+    assert untimed_metrics(b) == untimed_metrics(a)
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_sync_loop_killed_in_rollout_optimizer_and_checkpoint_write_resumes_bit_exact(tmp_path,
+                                                                                      uninterrupted_tiny_run):
+    rng = random.Random(SEED)
+    b = tmp_path / "b"
+    kills = [_kill("rollout", 2, rng, 1.0), _kill("optimizer", 3, rng, 0.5), _kill("checkpoint", 3, rng, 0.5)]
+    for kill in kills:
+        _launch_killed(b, UNINTERRUPTED, kill)
+        if kill.startswith("checkpoint"):  # killed mid-write: a temporary folder, never a step-3 checkpoint
+            assert not (b / "checkpoints" / "step-000003").exists()
+            assert (b / "checkpoints" / ".tmp-step-000003").exists()
+    out = _finish(b, UNINTERRUPTED)
+    assert "continuing after step 2" in out
+    _same_run(uninterrupted_tiny_run, b)
+
+
+def _engine_processes(pid: int) -> list:
+    try:
+        return [c for c in psutil.Process(pid).children(recursive=True) if "EngineCore" in c.name()
+                or any("EngineCore" in part for part in c.cmdline()[:3])]
+    except psutil.Error:
+        return []
+
+
+def test_deterministic_async_killed_anywhere_and_its_engine_killed_resumes_bit_exact(tmp_path, tiny_model_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = subprocess.run(job_cmd(a, *DETERMINISTIC), env=job_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rng = random.Random(SEED + 1)
+
+    _launch_killed(b, DETERMINISTIC, _kill("scoring", 2, rng, 0.3))
+    assert (b / "checkpoints" / "step-000001").exists() and not (b / "checkpoints" / "step-000002").exists()
+
+    # the vLLM engine process killed while it generates the batches ahead (after the resumed step 2's
+    # checkpoint): with rollout.max_restarts=0 the run stops, naming the engine
+    proc = subprocess.Popen(job_cmd(b, *DETERMINISTIC, *RESUME), env=job_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    done = b / "checkpoints" / "step-000002" / "COMPLETE.json"
+    end = time.time() + 600
+    while not done.exists():
+        assert proc.poll() is None and time.time() < end, "the launch ended or hung before its step-2 checkpoint"
+        time.sleep(0.05)
+    engines = _engine_processes(proc.pid)
+    assert engines, [c.name() for c in psutil.Process(proc.pid).children(recursive=True)]
+    for e in engines:
+        e.kill()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode not in (0, None), err[-3000:]
+    assert "vLLM engine of rank 0" in err, err[-3000:]
+
+    _launch_killed(b, DETERMINISTIC, _kill("weight_push", 3, rng, 0.3))
+    out = _finish(b, DETERMINISTIC)
+    assert "continuing after step" in out
+    _same_run(a, b)
