@@ -8,7 +8,9 @@
    for CUDA IPC, otherwise into plain tensors (picklable, e.g. for Ray actors);
 3. `worker.push_weights(buckets, step)`: one call per bucket per engine;
 4. probe (`rollout.sync_probe`, on every `rollout.sync_probe_every`-th push, the first one
-   included; the next train step checks the pushes between on its sampled tokens, `check_samples`):
+   included; the next train step checks the pushes between on its sampled tokens, `check_samples`;
+   the default, null, is every 16th where that check applies, else every push:
+   dsrl.validation.validate.probe_every):
    the trainer extends fixed random prefixes greedily with its current weights
    (`trainer_greedy_probe`), the engine(s) score the same sequences (`worker.probe_logprobs`), and
    the mean |log-prob diff| over the greedy tokens is `rollout/sync_logprob_diff` (largest over
@@ -146,15 +148,18 @@ def trainer_greedy_probe(actor, prefixes: Sequence[Sequence[int]], length: int =
 
 class WeightSync:
     def __init__(self, actor, worker, rollout_cfg, *, engine_dtype: Optional[str] = None, memory=None,
-                 schedule: Optional[SyncSchedule] = None):
+                 schedule: Optional[SyncSchedule] = None, probe_every: Optional[int] = None):
         # memory: the engine's sleep/wake bookkeeping (dsrl.rollout.memory.EngineMemory); the probe
         # needs the engine fully awake (a sleeping engine schedules nothing).
         self.actor, self.worker, self.memory = actor, worker, memory
         self.bucket_bytes = int(float(rollout_cfg.sync_bucket_mb) * (1 << 20))
         self.probe = bool(rollout_cfg.sync_probe)
         # rollout.sync_probe_every: the probe runs on pushes 0, N, 2N, ... of this process; the train
-        # step checks the pushes between (check_samples).
-        self.probe_every = int(rollout_cfg.sync_probe_every)  # >= 1 (dsrl.validation.validate)
+        # step checks the pushes between (check_samples). `probe_every`: the schedule resolved from
+        # the whole config (dsrl.validation.validate.probe_every; null = auto); without it a null
+        # sync_probe_every probes every push.
+        every = probe_every if probe_every is not None else rollout_cfg.sync_probe_every
+        self.probe_every = int(every) if every is not None else 1  # >= 1 (dsrl.validation.validate)
         self.schedule = schedule if schedule is not None else SyncSchedule()
         dtype = engine_dtype or getattr(rollout_cfg, "dtype", "float32")
         self.tolerance = (float(rollout_cfg.sync_tolerance) if rollout_cfg.sync_tolerance is not None

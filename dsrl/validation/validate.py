@@ -105,16 +105,14 @@ def _get(cfg: Config, dotted: str):
     return obj
 
 
-def _check_probe_schedule(cfg: Config, errors: List[str]) -> None:
-    """rollout.sync_probe_every > 1 leaves the syncs between probes to the train step's check of
-    the sampled tokens, which is only a sync check where trainer and engine log-probs are the same
-    policy's (dsrl.rollout.weight_sync.WeightSync.check_samples)."""
-    every = cfg.rollout.sync_probe_every
-    if every < 1:
-        errors.append(f"rollout.sync_probe_every={every} must be >= 1 (1 = probe after every sync)")
-        return
-    if every == 1:
-        return
+# rollout.sync_probe_every=null where the train step can check each sync on its samples: the probe
+# runs on the first sync and every this many after (dsrl.rollout.weight_sync module doc: cost, sensitivity).
+AUTO_PROBE_EVERY = 16
+
+
+def _sample_check_blockers(cfg: Config) -> List[str]:
+    """Why the train step's check of its sampled tokens is not a sync check in this config (none:
+    trainer and engine log-probs are the same policy's; WeightSync.check_samples)."""
     why = []
     if cfg.rollout.top_p < 1:
         why.append(f"rollout.top_p={cfg.rollout.top_p} (the engine's log-probs are over the nucleus)")
@@ -123,6 +121,31 @@ def _check_probe_schedule(cfg: Config, errors: List[str]) -> None:
     k = steps_per_rollout(cfg)
     if k != 1:
         why.append(f"{k} optimizer steps per rollout (later steps train newer weights than the samples')")
+    return why
+
+
+def probe_every(cfg: Config) -> int:
+    """The probe schedule (rollout.sync_probe_every; null: AUTO_PROBE_EVERY where the train step can
+    check the syncs between on its samples, else 1 = every sync)."""
+    every = cfg.rollout.sync_probe_every
+    if every is not None:
+        return int(every)
+    return 1 if _sample_check_blockers(cfg) else AUTO_PROBE_EVERY
+
+
+def _check_probe_schedule(cfg: Config, errors: List[str]) -> None:
+    """rollout.sync_probe_every > 1 leaves the syncs between probes to the train step's check of
+    the sampled tokens, which is only a sync check where trainer and engine log-probs are the same
+    policy's (dsrl.rollout.weight_sync.WeightSync.check_samples)."""
+    every = cfg.rollout.sync_probe_every
+    if every is None:
+        return  # auto (probe_every): never a schedule the config cannot check
+    if every < 1:
+        errors.append(f"rollout.sync_probe_every={every} must be >= 1 (1 = probe after every sync; null = auto)")
+        return
+    if every == 1:
+        return
+    why = _sample_check_blockers(cfg)
     if why:
         errors.append(f"rollout.sync_probe_every={every} needs the train step to check each sync on its samples, "
                       f"which is not a sync check with {'; '.join(why)}: set rollout.sync_probe_every=1")
