@@ -1,7 +1,7 @@
 """Hydra entry point: compose -> validate (before anything heavy) -> build -> run.
 
     python -m dsrl.main +exp=grpo_reuse [overrides]
-    deepspeed --num_gpus 2 -m dsrl.main +exp=grpo_reuse actor.zero_stage=3
+    deepspeed --num_gpus 2 --module dsrl.main +exp=grpo_reuse actor.zero_stage=3   (the launcher has no -m)
 """
 from __future__ import annotations
 
@@ -333,7 +333,7 @@ def main(cfg: DictConfig) -> None:
     from dsrl.tracking.console import setup_console
 
     run_dir = HydraConfig.get().runtime.output_dir
-    setup_console(run_dir, verbose=bool(OmegaConf.select(cfg, "logger.verbose", default=False)))
+    log_paths = setup_console(run_dir, verbose=bool(OmegaConf.select(cfg, "logger.verbose", default=False)))
     try:
         summary = run(cfg, run_dir)
     except ConfigError as e:
@@ -359,6 +359,19 @@ def main(cfg: DictConfig) -> None:
 
     if is_main_rank():
         log.info("summary: %s", summary)
+    _teardown_to_log(log_paths["run_log"])
+
+
+def _teardown_to_log(run_log) -> None:
+    """The summary is the console's last line: what the interpreter's teardown writes to stderr
+    after it (nanobind's "leaked ... functions / instances / types" report for Triton's bindings,
+    ~30 lines, printed as their modules are freed) goes to run.log instead. Only this process's
+    stderr from here on: a failure before the summary still reaches the console."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(run_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, sys.stderr.fileno())
+    os.close(fd)
 
 
 def _strip_launcher_args() -> None:
