@@ -6,8 +6,8 @@ outside the calls, None when empty) and the calls found, each a `ParsedCall(name
 `arguments` a JSON object already parsed; a call that is not well formed (no closing tag, not JSON,
 not an object, or a name that is not one of the request's tools) is left in the content, so output
 that does not parse comes back as text, never as an error. `prefix(name)` is the text that opens a
-call (of `name`, or of any function when None), which the endpoint writes after the generation
-prompt to force one.
+call (of `name`, up to the opening brace of its arguments object; or of any function when None),
+which the endpoint writes after the generation prompt to force one.
 
 Register more with `register_tool_parser(name, parser)`; the registry is keyed by the name the
 config uses."""
@@ -46,8 +46,8 @@ class ToolParser:
 class HermesParser(ToolParser):
     """Hermes style (NousResearch's Hermes, Qwen2.5, dsrl's ChatML tool template): each call is
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in the text, whitespace allowed
-    around the JSON; the last call may lack its closing tag when nothing but whitespace follows
-    its JSON (a model stopped by its end-of-turn token right after the object)."""
+    around the JSON. The last call may lack its closing tag (small models often leave it out): its
+    JSON object is the call and the text after it is content."""
 
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -65,28 +65,28 @@ class HermesParser(ToolParser):
             calls.append(call)
         tail = self._unclosed(text[at:], known)  # a last call the model did not close (small models often don't)
         if tail is not None:
-            kept.append(text[at:tail[0]])
-            calls.append(tail[1])
+            start, call, end = tail
+            kept += [text[at:at + start], text[at + end:]]
+            calls.append(call)
         else:
             kept.append(text[at:])
         content = "".join(kept).strip() if calls else text
         return ParsedOutput(content or None, calls)
 
     def _unclosed(self, rest: str, known: set):
-        """(where it starts, the call) of an opening tag followed by one JSON call and nothing but
-        whitespace up to the end of the text; None otherwise."""
+        """(where it starts, the call, where it ends) of an opening tag with no closing tag after it,
+        followed by one JSON call object; None otherwise. The text after the object is content."""
         at = rest.find(self.OPEN)
         if at < 0 or self.CLOSE in rest[at:]:
             return None
-        body = rest[at + len(self.OPEN):].lstrip()
+        body = rest[at + len(self.OPEN):]
+        lead = len(body) - len(body.lstrip())
         try:
-            _, end = json.JSONDecoder().raw_decode(body)
+            _, end = json.JSONDecoder().raw_decode(body[lead:])
         except ValueError:
             return None
-        if body[end:].strip():
-            return None
-        call = self._call(body[:end], known)
-        return None if call is None else (at, call)
+        call = self._call(body[lead:lead + end], known)
+        return None if call is None else (at, call, at + len(self.OPEN) + lead + end)
 
     @staticmethod
     def _call(body: str, known: set) -> Optional[ParsedCall]:
@@ -109,7 +109,7 @@ class HermesParser(ToolParser):
     def prefix(self, name: Optional[str]) -> str:
         if name is None:
             return self.OPEN + '\n{"name": "'
-        return self.OPEN + "\n" + '{"name": ' + json.dumps(name) + ', "arguments": '
+        return self.OPEN + "\n" + '{"name": ' + json.dumps(name) + ', "arguments": {'
 
 
 TOOL_PARSERS: Dict[str, Callable[[], ToolParser]] = {"hermes": HermesParser}

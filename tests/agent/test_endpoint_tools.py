@@ -133,7 +133,7 @@ def test_streamed_calls_record_the_same_episode(made, tiny_tokenizer):
 def test_output_that_does_not_parse_is_content(made, tiny_tokenizer):
     bad = ['<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>',  # not JSON
            '<tool_call>{"name": "mul", "arguments": {"a": 1}}</tool_call>',  # not one of the tools
-           '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}} and more']  # never closed, text after
+           '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2} and more']  # never closed, not JSON
     seen = []
 
     def agent(base_url, episode_id, task):
@@ -189,7 +189,7 @@ def test_each_call_generates_up_to_its_own_limit(made, tiny_tokenizer):
 
 def test_tool_choice_required_named_none_and_parallel(made, tiny_tokenizer):
     tok = tiny_tokenizer
-    texts = {0: '{"a": 1, "b": 2}}\n</tool_call>',  # named: the model continues after "arguments":
+    texts = {0: '"a": 1, "b": 2}}\n</tool_call>',  # named: the model continues the arguments object
              1: 'add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',  # required: after {"name": "
              2: CALL_TEXT,  # none: content
              3: CALL_TEXT + "\n" + CALL_TEXT}  # parallel_tool_calls=false: the first call only
@@ -211,7 +211,7 @@ def test_tool_choice_required_named_none_and_parallel(made, tiny_tokenizer):
     call = ("add", {"a": 1, "b": 2})
     assert seen == {0: (None, [call], "tool_calls"), 1: (None, [call], "tool_calls"),
                     2: (CALL_TEXT, [], "stop"), 3: (None, [call], "tool_calls")}
-    for e, prefix in ((0, '<tool_call>\n{"name": "add", "arguments": '), (1, '<tool_call>\n{"name": "')):
+    for e, prefix in ((0, '<tool_call>\n{"name": "add", "arguments": {'), (1, '<tool_call>\n{"name": "')):
         forced = ids(tok, prefix)  # written after the generation prompt as the agent's tokens
         s = samples[e]
         assert s.response_ids == forced + worker.sampled[(e, 0)]
@@ -246,8 +246,9 @@ def test_refusals_are_typed_and_models_reports_the_context(made, tiny_tokenizer)
                     "tool_type": (400, "unsupported_tool", "tools[0]"),
                     "tool_choice": (400, "invalid_tool_choice", "tool_choice"),
                     "tool_message": (400, "invalid_messages", "messages[1].content")}
-    models = httpx.get(f"{ep.base_url}/models").json()["data"]
-    assert models[0]["max_model_len"] == 1024
+    root = ep.base_url[:-len("/v1")]
+    for url in (f"{root}/v1/models", f"{root}/episodes/r1-e0/v1/models"):  # also under an episode's base URL
+        assert httpx.get(url).json()["data"][0]["max_model_len"] == 1024
 
 
 def test_tool_keys_are_checked_before_anything_loads(tmp_path, tiny_tokenizer):

@@ -17,7 +17,7 @@ before.
 tool_choice. `auto`: the output is parsed (rollout.tool_parser); what does not parse is content.
 `none`: the tools are still shown to the model (as OpenAI does), the output is returned as content.
 `required` / a named function: the parser's call opening (e.g. `<tool_call>\\n{"name": "` or, for a
-named function, up to its `"arguments": `) is written after the generation prompt as the agent's
+named function, up to the `{` of its arguments) is written after the generation prompt as the agent's
 tokens (masked out of the loss) and the model continues it; the returned text includes it.
 `parallel_tool_calls: false`: only the first parsed call is returned.
 
