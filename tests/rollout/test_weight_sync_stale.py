@@ -59,16 +59,13 @@ def _default_batch(model_path):
     from transformers import AutoTokenizer
 
     from dsrl.data.arith import ArithSource
+    from dsrl.data.chat import encode_prompts
+    from dsrl.data.types import Prompt
 
     tok = AutoTokenizer.from_pretrained(str(model_path))
-    out = []
-    for a, b in ((3, 5), (7, 2), (4, 4), (9, 1), (6, 8), (2, 2), (8, 5), (1, 7)):
-        text = ArithSource.template.format(expr=f"{a} + {b}")
-        if tok.chat_template:
-            out.append(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-        else:
-            out.append(tok(text)["input_ids"])
-    return out
+    sums = ((3, 5), (7, 2), (4, 4), (9, 1), (6, 8), (2, 2), (8, 5), (1, 7))
+    return encode_prompts(tok, [Prompt([{"role": "user", "content": ArithSource.template.format(expr=f"{a} + {b}")}],
+                                       str(a + b)) for a, b in sums])
 
 
 def _sample_check(actor, worker, prompts, step):
