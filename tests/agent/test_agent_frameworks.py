@@ -10,7 +10,8 @@ client's OPENAI_BASE_URL / OPENAI_API_KEY, with a function tool:
 x 4 episodes: both steps train, no request is refused, every episode posts its reward, at least one
 tool call is executed, and the trained sequences are token-exact: every episode is one sequence
 (no split: each call continued the previous one's tokens) and the trainer's log-probs of the
-trained tokens equal the engine's sampling log-probs (rollout/logprob_diff)."""
+trained tokens equal the engine's sampling log-probs (rollout/logprob_diff, or the weight sync's
+rollout/sync_logprob_diff where the run measures that instead)."""
 import json
 import shlex
 import sys
@@ -24,7 +25,7 @@ from agent_e2e_kit import run_exp  # noqa: E402
 ROOT = Path(__file__).parents[2]
 PYTHON = ROOT / ".venv-agents" / "bin" / "python"
 RUN = ["trainer.total_steps=2", "algo.rollout_batch_size=2", "algo.n_samples_per_prompt=4", "algo.global_batch_size=8",
-       "rollout.max_new_tokens=32", "rollout.max_episode_tokens=160", "rollout.max_turns=3",
+       "rollout.max_new_tokens=48", "rollout.max_episode_tokens=200", "rollout.max_turns=3",
        "model.dtype=float32", "rollout.dtype=float32", "trainer.save_every=0", "trainer.save_final=false",
        "logger.plot=false", "logger.tensorboard=false"]
 
@@ -49,6 +50,9 @@ def test_framework_agent_trains(tmp_path, smollm2_path, program, framework):
     for row in rows:
         assert row["agent/refused_requests"] == 0.0 and row["agent/finish_rewarded"] == 1.0
         assert row["agent/split_episodes"] == 0.0 and row["agent/calls"] >= 1.0
-        assert row["rollout/logprob_diff"] < 1e-3 and row["train/grad_norm"] > 0
+        assert row["train/grad_norm"] > 0
+    # the trainer's log-probs of the trained tokens vs the engine's (logged where the run measures them)
+    diffs = [row[k] for row in rows for k in ("rollout/logprob_diff", "rollout/sync_logprob_diff") if k in row]
+    assert diffs and max(diffs) < 1e-3, diffs
     assert len(episodes) == 16 and {e["framework"] for e in episodes} == {framework}
     assert any(e["tool_ran"] for e in episodes)  # a tool call was executed (and its expression evaluated)
