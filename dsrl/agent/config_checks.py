@@ -119,6 +119,7 @@ def _endpoint_errors(cfg: Any, env: str) -> List[str]:
         errors.append(f"rollout.agent_timeout_s={r.agent_timeout_s} must be > 0 (seconds an agent may run)")
     if getattr(r, "agent_max_request_bytes", 1) < 1024:
         errors.append(f"rollout.agent_max_request_bytes={r.agent_max_request_bytes} must be >= 1024")
+    errors += _tool_errors(getattr(r, "tool_parser", "hermes"), getattr(r, "tool_template", "auto"))
     if getattr(r, "temperature", 1.0) <= 0:
         errors.append(f"rollout.temperature={r.temperature} must be > 0 with rollout.agent_endpoint=true "
                       f"(training needs the sampled tokens' log-probs)")
@@ -138,3 +139,23 @@ def _get(cfg: Any, dotted: str) -> Any:
     """cfg's value at `a.b`, None where a section or field is missing (partial configs in tests)."""
     section, field = dotted.split(".")
     return getattr(getattr(cfg, section, None), field, None)
+
+def _tool_errors(parser: str, template: str) -> List[str]:
+    """rollout.tool_parser names a registered parser; rollout.tool_template is a known choice or a
+    .jinja file that exists (whether the model's own template takes tools is checked when the
+    tokenizer loads)."""
+    import os
+
+    from dsrl.agent.endpoint.chat import TOOL_TEMPLATES
+    from dsrl.agent.tool_parsers import TOOL_PARSERS
+
+    errors = []
+    if parser not in TOOL_PARSERS:
+        errors.append(f"rollout.tool_parser={parser!r}: not one of {sorted(TOOL_PARSERS)}")
+    if template not in ("auto", "model", *TOOL_TEMPLATES):
+        if not template.endswith(".jinja"):
+            errors.append(f"rollout.tool_template={template!r}: not auto, model, {', '.join(TOOL_TEMPLATES)} or a "
+                          f".jinja file")
+        elif not os.path.isfile(template):
+            errors.append(f"rollout.tool_template={template!r}: no file {os.path.abspath(template)}")
+    return errors

@@ -166,6 +166,12 @@ class RolloutConfig:
     agent_timeout_s: float = 300.0
     # Largest request body the endpoint reads (bytes); larger ones get HTTP 413.
     agent_max_request_bytes: int = 1048576
+    # How the endpoint reads function calls out of the model's text (a name in
+    # dsrl.agent.tool_parsers.TOOL_PARSERS): hermes = <tool_call>{"name": ..., "arguments": ...}</tool_call>.
+    tool_parser: str = "hermes"
+    # The chat template that renders requests with tools: auto (the model's own when it takes
+    # `tools`, else dsrl's ChatML tool template) | model | chatml | path/to/template.jinja.
+    tool_template: str = "auto"
 
 
 @dataclass
