@@ -119,7 +119,27 @@ def _endpoint_errors(cfg: Any, env: str) -> List[str]:
         errors.append(f"rollout.agent_timeout_s={r.agent_timeout_s} must be > 0 (seconds an agent may run)")
     if getattr(r, "agent_max_request_bytes", 1) < 1024:
         errors.append(f"rollout.agent_max_request_bytes={r.agent_max_request_bytes} must be >= 1024")
+    from dsrl.agent.endpoint.book import FAILED_EPISODES
+
+    failed = getattr(r, "failed_episodes", "zero")
+    if failed not in FAILED_EPISODES:
+        errors.append(f"rollout.failed_episodes={failed!r}: one of {' | '.join(FAILED_EPISODES)} (an episode whose "
+                      f"agent crashed or timed out: reward 0, or left out of its group)")
+    errors += _host_errors(getattr(r, "agent_host", "127.0.0.1"))
     errors += _tool_errors(getattr(r, "tool_parser", "hermes"), getattr(r, "tool_template", "auto"))
+    estimator = getattr(getattr(cfg, "algo", None), "advantage_estimator", None)
+    if estimator and estimator != "gae":  # gae: refused above for every multi-turn mode
+        import dsrl.loss.advantages  # noqa: F401  (registers the built-in estimators)
+        from dsrl.loss.registry import get_advantage_estimator
+
+        try:
+            fn = get_advantage_estimator(estimator)
+        except Exception:  # unknown names: the loss validation reports them
+            fn = None
+        if fn is not None and not getattr(fn, "per_episode", False):
+            errors.append(f"algo.advantage_estimator={estimator!r} does not declare per_episode = True: with "
+                          f"rollout.agent_endpoint=true an episode may train as several sequences, and the group "
+                          f"statistics must count it once (take episode_ids=, as dsrl.loss.advantages' estimators do)")
     if getattr(r, "temperature", 1.0) <= 0:
         errors.append(f"rollout.temperature={r.temperature} must be > 0 with rollout.agent_endpoint=true "
                       f"(training needs the sampled tokens' log-probs)")
@@ -135,10 +155,30 @@ def _endpoint_errors(cfg: Any, env: str) -> List[str]:
     return errors
 
 
+def _host_errors(host: Any) -> List[str]:
+    """rollout.agent_host: an address (or a name) this host can bind."""
+    import ipaddress
+    import socket
+
+    if not isinstance(host, str) or not host:
+        return [f"rollout.agent_host={host!r} must be an address to bind (127.0.0.1, this host's address, 0.0.0.0)"]
+    try:
+        ipaddress.ip_address(host)
+        return []
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as e:
+        return [f"rollout.agent_host={host!r} does not resolve ({e}): give an address to bind"]
+    return []
+
+
 def _get(cfg: Any, dotted: str) -> Any:
     """cfg's value at `a.b`, None where a section or field is missing (partial configs in tests)."""
     section, field = dotted.split(".")
     return getattr(getattr(cfg, section, None), field, None)
+
 
 def _tool_errors(parser: str, template: str) -> List[str]:
     """rollout.tool_parser names a registered parser; rollout.tool_template is a known choice or a

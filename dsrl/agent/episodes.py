@@ -196,6 +196,14 @@ def trajectories_to_samples(trajectories: Sequence[Trajectory], groups: Sequence
     return out
 
 
+def episode_numbers(samples: Sequence[Sample]) -> List[int]:
+    """A number per sample, shared by the samples of one episode (Sample.extra["episode"], set by
+    the agent endpoint, whose episodes may train as several sequences); a sample without one is
+    an episode of its own. The advantage's group statistics count each episode once."""
+    numbers: dict = {}
+    return [numbers.setdefault(s.extra.get("episode", ("sample", k)), len(numbers)) for k, s in enumerate(samples)]
+
+
 def episode_metrics(trajectories: Sequence[Trajectory]) -> dict:
     """Per-step means: reward, turns, model/env tokens, finish-reason fractions, tool calls."""
     n = max(len(trajectories), 1)

@@ -166,6 +166,15 @@ class RolloutConfig:
     agent_timeout_s: float = 300.0
     # Largest request body the endpoint reads (bytes); larger ones get HTTP 413.
     agent_max_request_bytes: int = 1048576
+    # What trains of an episode whose agent crashed or timed out before posting a reward: "zero"
+    # (its sequences with reward 0) | "drop" (left out of its group: an infrastructure fault is not
+    # a bad answer). Counted per step in agent/failed_episodes and agent/dropped_episodes.
+    failed_episodes: str = "zero"
+    # The endpoint's bind address: 127.0.0.1 (loopback: agents on this host) or an address agents on
+    # other hosts reach (e.g. this host's cluster address, or 0.0.0.0). Off loopback every request
+    # must carry its episode's token {id}.{secret} (in the episode's base URL or as the API key),
+    # which the agent receives as its episode id.
+    agent_host: str = "127.0.0.1"
     # How the endpoint reads function calls out of the model's text (a name in
     # dsrl.agent.tool_parsers.TOOL_PARSERS): hermes = <tool_call>{"name": ..., "arguments": ...}</tool_call>.
     tool_parser: str = "hermes"

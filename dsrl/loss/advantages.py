@@ -8,6 +8,13 @@ Estimator signature (registry `register_advantage`):
 `group_ids` label the prompt group of each sample (None = contiguous blocks of
 n_samples_per_prompt). Outputs are [N, L] and exactly 0 where the mask is 0. An estimator with
 the attribute `needs_values = True` (gae) also receives `values=` [N, L], the critic's values.
+
+Episodes split into several sequences (the agent endpoint: an agent that rewrote its history
+trains as several samples sharing the episode's reward): rollout_data["episode_ids"] [N] labels
+each sample's episode, and the group statistics count every episode once (episodes A=1 in three
+samples, B=1, C=0, D=0: group mean 1/2, not 4/6). An estimator with the attribute
+`per_episode = True` receives `episode_ids=` (the built-in group estimators); one without it is
+refused when an episode has several samples.
 """
 from __future__ import annotations
 
@@ -40,8 +47,30 @@ def group_index(n: int, group_ids: Optional[Any], config: Any) -> torch.Tensor:
     return torch.arange(n) // k
 
 
-def group_stats(rewards: torch.Tensor, gid: torch.Tensor):
-    """Per-sample (group mean, group unbiased std, group size, group sum); std is NaN for size 1."""
+def split_episodes(n: int, episode_ids: Optional[Any]) -> Optional[torch.Tensor]:
+    """Dense episode index of each of n samples; None without labels or when every episode has one sample."""
+    if episode_ids is None:
+        return None
+    ids = torch.as_tensor(episode_ids)
+    if ids.shape != (n,):
+        raise ValueError(f"episode_ids has shape {tuple(ids.shape)}, expected ({n},)")
+    eid = torch.unique(ids, return_inverse=True)[1]
+    return eid if n and int(eid.max()) + 1 < n else None
+
+
+def group_stats(rewards: torch.Tensor, gid: torch.Tensor, episodes: Optional[torch.Tensor] = None):
+    """Per-sample (group mean, group unbiased std, group size, group sum); std is NaN for size 1.
+    `episodes` (dense episode index per sample, split_episodes): the statistics are the episodes'
+    (each counted once, size = episodes in the group), gathered back to every sample of each."""
+    if episodes is not None:
+        episodes = episodes.to(rewards.device)
+        n_ep = int(episodes.max()) + 1
+        first = torch.full((n_ep,), len(rewards), dtype=torch.long, device=rewards.device).scatter_reduce_(
+            0, episodes, torch.arange(len(rewards), device=rewards.device), reduce="amin")
+        ep_gid = gid.to(rewards.device)[first]
+        if not (bool((rewards == rewards[first][episodes]).all()) and bool((gid.to(rewards.device) == ep_gid[episodes]).all())):
+            raise ValueError("the samples of an episode (episode_ids) must share its reward and its group")
+        return tuple(x[episodes] for x in group_stats(rewards[first], ep_gid))
     g = int(gid.max()) + 1 if gid.numel() else 0
     gid = gid.to(rewards.device)
     count = torch.zeros(g, dtype=rewards.dtype, device=rewards.device).index_add_(0, gid, torch.ones_like(rewards))
@@ -64,11 +93,12 @@ def _kl(kl: Optional[torch.Tensor], mask: torch.Tensor, dtype) -> torch.Tensor:
 
 
 @register_advantage("grpo")
-def grpo(rewards, mask, group_ids, config, kl=None):
+def grpo(rewards, mask, group_ids, config, kl=None, *, episode_ids=None):
     """Group-centred reward, divided by (unbiased group std + 1e-6) if grpo_std_normalization.
     As miles: the division is skipped for groups of size 1 or with std 0 (their centred reward is
     0 anyway; this only avoids 0/0). KL is ignored (use the KL loss)."""
-    mean, std, count, _ = group_stats(rewards, group_index(len(rewards), group_ids, config))
+    mean, std, count, _ = group_stats(rewards, group_index(len(rewards), group_ids, config),
+                                      split_episodes(len(rewards), episode_ids))
     adv = rewards - mean
     if opt(config, "grpo_std_normalization"):
         divide = (count > 1) & (std > 0)
@@ -78,25 +108,27 @@ def grpo(rewards, mask, group_ids, config, kl=None):
 
 
 @register_advantage("dr_grpo")
-def dr_grpo(rewards, mask, group_ids, config, kl=None):
+def dr_grpo(rewards, mask, group_ids, config, kl=None, *, episode_ids=None):
     """Dr. GRPO: group mean-centring only (no std division, which biases toward easy/hard groups)."""
-    mean, _, _, _ = group_stats(rewards, group_index(len(rewards), group_ids, config))
+    mean, _, _, _ = group_stats(rewards, group_index(len(rewards), group_ids, config),
+                                split_episodes(len(rewards), episode_ids))
     a = _broadcast(rewards - mean, mask)
     return a, a.clone()
 
 
 @register_advantage("rloo")
-def rloo(rewards, mask, group_ids, config, kl=None):
+def rloo(rewards, mask, group_ids, config, kl=None, *, episode_ids=None):
     """REINFORCE leave-one-out: A_i = r_i − mean_{j≠i} r_j. A group of one has no other sample:
     its baseline is 0 (plain REINFORCE) rather than undefined."""
-    _, _, count, total = group_stats(rewards, group_index(len(rewards), group_ids, config))
+    _, _, count, total = group_stats(rewards, group_index(len(rewards), group_ids, config),
+                                     split_episodes(len(rewards), episode_ids))
     baseline = torch.where(count > 1, (total - rewards) / (count - 1).clamp(min=1), torch.zeros_like(rewards))
     a = _broadcast(rewards - baseline, mask)
     return a, a.clone()
 
 
 @register_advantage("reinforce_pp", uses_kl_in_reward=True)
-def reinforce_pp(rewards, mask, group_ids, config, kl=None):
+def reinforce_pp(rewards, mask, group_ids, config, kl=None, *, episode_ids=None):
     """REINFORCE++: token reward −kl_coef·kl_t on trainable tokens plus the raw reward at the last
     trainable token, discounted returns G_t = u_t + γ·G_{t+1}; A = R = G (0 on masked tokens).
     KL on non-trainable tokens (not sampled by the policy) is not charged."""
@@ -119,9 +151,10 @@ def reinforce_pp(rewards, mask, group_ids, config, kl=None):
 
 
 @register_advantage("reinforce_pp_baseline", uses_kl_in_reward=True)
-def reinforce_pp_baseline(rewards, mask, group_ids, config, kl=None):
+def reinforce_pp_baseline(rewards, mask, group_ids, config, kl=None, *, episode_ids=None):
     """REINFORCE++ with a group-mean baseline: A_t = (r − mean_group r) − kl_coef·kl_t; R = A."""
-    mean, _, _, _ = group_stats(rewards, group_index(len(rewards), group_ids, config))
+    mean, _, _, _ = group_stats(rewards, group_index(len(rewards), group_ids, config),
+                                split_episodes(len(rewards), episode_ids))
     a = _broadcast(rewards - mean, mask) - float(opt(config, "kl_coef")) * _kl(kl, mask, rewards.dtype)
     return a, a.clone()
 
@@ -163,6 +196,10 @@ def gae(rewards, mask, group_ids, config, kl=None, *, values=None):
 
 
 gae.needs_values = True  # compute_advantages passes rollout_data["values"] (Trainer.train_on's critic pass)
+# compute_advantages passes rollout_data["episode_ids"]: group statistics per episode (reinforce_pp
+# has none: each sample's own reward).
+for _estimator in (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline):
+    _estimator.per_episode = True
 
 
 def whiten_advantages(adv: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
@@ -200,7 +237,8 @@ def compute_advantages(rollout_data: MutableMapping[str, Any], config: Any) -> M
     """Fill rollout_data["advantages"] and ["returns"] (detached, same layout as the mask).
 
     Reads: rewards [N]; loss_mask [N, L] (or a list of per-sample 1-D masks, then every per-token
-    input is a list too and outputs are lists); optional group_ids [N]; old_log_probs /
+    input is a list too and outputs are lists); optional group_ids [N]; optional episode_ids [N]
+    (group statistics per episode, see the module docstring); old_log_probs /
     rollout_log_probs / ref_log_probs / teacher_log_probs / opd_reverse_kl; values (gae's critic).
     Order: persistent detach boundary -> KL-in-reward -> estimator -> OPD -> whitening.
     """
@@ -237,6 +275,14 @@ def compute_advantages(rollout_data: MutableMapping[str, Any], config: Any) -> M
             raise ValueError(f"algo.advantage_estimator={name} needs rollout_data['values'] from the critic")
         rollout_data["values"] = values
         extra["values"] = _pad(values).to(mask.device)
+    episode_ids = rollout_data.get("episode_ids")
+    if episode_ids is not None:
+        if getattr(estimator, "per_episode", False):
+            extra["episode_ids"] = episode_ids
+        elif split_episodes(len(rewards), episode_ids) is not None:
+            raise ValueError(f"algo.advantage_estimator={name}: an episode trains as several samples here "
+                             f"(rollout_data['episode_ids']) and the estimator does not declare per_episode = True "
+                             f"(taking episode_ids=, so that group statistics count each episode once)")
     adv, ret = estimator(rewards, mask, rollout_data.get("group_ids"), config, kl, **extra)
 
     if opt(config, "use_opd"):

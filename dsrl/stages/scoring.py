@@ -14,6 +14,7 @@ from dsrl.actor.batch import Sample, masked_rows
 from dsrl.actor.masks import response_loss_mask
 from dsrl.actor.reuse_probe import judge, max_mismatch, mismatch_sums, missing_rollout_log_probs, probe_indices
 from dsrl.actor.shared_prompt import engine_uses_shared_prompt
+from dsrl.agent.episodes import episode_numbers
 from dsrl.distributed.collectives import all_reduce_sum
 from dsrl.distributed.ranks import global_rank, is_main_rank
 from dsrl.loss.advantages import compute_advantages
@@ -50,6 +51,8 @@ class ScoringPasses:
         data = {"rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
                 "loss_mask": [response_loss_mask(s) for s in samples],  # model tokens (episodes: env tokens 0)
                 "group_ids": torch.tensor([s.group for s in samples]),
+                # the agent endpoint's episodes (one may train as several samples): statistics per episode
+                **({"episode_ids": episode_numbers(samples)} if any("episode" in s.extra for s in samples) else {}),
                 "rollout_log_probs": [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]}
         # Reuse is only exact for one optimizer step on rollout data without actor log-probs:
         # checked before any old, reference or teacher pass runs.
