@@ -95,12 +95,13 @@ def test_e2e_command_trains_one_step(cmd: DocCommand, tmp_path: Path):
     assert cmd.kind == "main" and cmd.world_size == 1, f"{cmd.page}: only single-process dsrl.main lines run e2e"
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "dsrl.main", *cmd.overrides, *TINY_ONE_STEP,
-                          f"hydra.run.dir={run_dir}"], cwd=ROOT, env=job_env(), capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+                          f"hydra.run.dir={run_dir}"], cwd=ROOT, env=job_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-5000:]
     rows = metric_rows(run_dir)
     assert len(rows) == 1 and "reward/mean" in rows[0]
-    # The console ends with dsrl's summary line: the interpreter's teardown writes to run.log.
-    tail = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    # The console (stdout and stderr as a terminal shows them) ends with dsrl's summary line: what
+    # the interpreter's teardown prints goes to run.log.
+    tail = [line for line in out.stdout.splitlines() if line.strip()]
     assert "summary:" in tail[-1], tail[-5:]
-    assert "nanobind" not in out.stderr
+    assert "nanobind" not in out.stdout
