@@ -17,7 +17,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 setup: $(STAMP)
 
-$(STAMP): launch/setup.sh launch/requirements.txt pyproject.toml
+$(STAMP): launch/setup.sh launch/requirements.txt launch/requirements-verifiers.txt pyproject.toml
 	bash launch/setup.sh
 
 train: setup

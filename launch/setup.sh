@@ -9,8 +9,8 @@ VENV="${DSRL_VENV:-$ROOT/.venv}"
 CACHE="${DSRL_CACHE:-$ROOT/.cache}"
 STAMP="$VENV/.dsrl-setup"
 # The stamp holds a hash of what set-up installs: a changed pin re-runs set-up, nothing else does.
-WANT="$(cat "$ROOT/launch/setup.sh" "$ROOT/launch/requirements.txt" "$ROOT/launch/requirements-agents.txt" \
-        "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+WANT="$(cat "$ROOT/launch/setup.sh" "$ROOT/launch/requirements.txt" "$ROOT/launch/requirements-verifiers.txt" \
+        "$ROOT/launch/requirements-agents.txt" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then exit 0; fi
 
 # A full set-up writes about 5 GiB (the venv, pip's cache, the model assets); a disk that fills
@@ -36,7 +36,7 @@ N=0
 # (rollout.backend=hf; `launch/gpu_smoke.sh trainer`).
 if [ -n "${DSRL_CUDA:-}" ]; then CUDA="$DSRL_CUDA"
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then CUDA=1; else CUDA=0; fi
-if [ "$CUDA" = 1 ]; then TOTAL=7; else TOTAL=8; fi
+if [ "$CUDA" = 1 ]; then TOTAL=8; else TOTAL=9; fi
 
 # phase "label" command...: run the command with its output in $LOG; print the label and seconds.
 phase() {
@@ -96,6 +96,14 @@ install_cookbook() {
     "pycryptodomex==3.24.2" "pyrage==1.4.0" "termcolor==3.3.0" "tiktoken==0.14.0" "cloudpickle==3.1.3"
 }
 
+# verifiers 0.4 in a venv of its own (launch/requirements-verifiers.txt says why): its episodes run there
+# as agent programs (dsrl/envpkg/verifiers_episode.py); its pip cache inside the project.
+VF_VENV="${DSRL_VERIFIERS_VENV:-$ROOT/.venv-verifiers}"
+make_verifiers_venv() {
+  { [ -x "$VF_VENV/bin/python" ] || "$PY" -m venv "$VF_VENV"; } &&
+    PIP_CACHE_DIR="$CACHE/pip-verifiers" "$VF_VENV/bin/python" -m pip install -r "$ROOT/launch/requirements-verifiers.txt"
+}
+
 # The agent frameworks the endpoint is tested with (launch/requirements-agents.txt), in a venv of their
 # own: their agents run as programs (rollout.agent="cmd: ..."), so their pins never meet dsrl's.
 AGENTS_VENV="${DSRL_AGENTS_VENV:-$ROOT/.venv-agents}"
@@ -122,6 +130,7 @@ fi
 phase "pinned requirements (launch/requirements.txt)" install_requirements
 phase "model/data packages + dsrl (editable)" install_dsrl
 phase "tinker-cookbook 0.6.1 (test client, --no-deps)" install_cookbook
+phase "verifiers 0.4 venv (.venv-verifiers)" make_verifiers_venv
 phase "agent frameworks venv (.venv-agents: openai-agents, langchain-openai)" make_agents_venv
 phase "DeepSpeed op cache + SmolLM2 conversion" build_assets
 echo "$WANT" > "$STAMP"

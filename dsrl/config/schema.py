@@ -378,6 +378,9 @@ class DataConfig:
     knobs: dict = field(default_factory=dict)
     # Text appended to each question (reasoning_gym, gsm8k); null = the source's own ("" = none).
     instruction: Optional[str] = None
+    # verifiers: the verifiers 0.4 taskset module whose tasks train (importable by .venv-verifiers'
+    # interpreter; +exp=verifiers runs each episode through its environment's harness).
+    taskset: Optional[str] = None
 
 
 @dataclass
