@@ -9,8 +9,8 @@ equal the uninterrupted run A's bit for bit:
   optimizer step of step 3, and while writing the checkpoint of step 3 (the half-written folder is
   never taken: the resume goes back to step 2's);
 - the deterministic asynchronous schedule (k = 2): killed in the scoring of step 2, then its vLLM
-  engine process killed mid-generation (rollout.max_restarts=0: the run stops naming the engine),
-  then killed in the weight push of step 3.
+  engine process killed as the resumed launch generates (rollout.max_restarts=0: the run stops
+  naming the engine), then killed in the weight push of step 3.
 A kill during a resumed launch re-runs the steps after the checkpoint it resumed from; the rows
 those steps logged before the kill are rewritten, so each step appears once."""
 from __future__ import annotations
@@ -115,22 +115,23 @@ def test_deterministic_async_killed_anywhere_and_its_engine_killed_resumes_bit_e
     _launch_killed(b, DETERMINISTIC, _kill("scoring", 2, rng, 0.3))
     assert (b / "checkpoints" / "step-000001").exists() and not (b / "checkpoints" / "step-000002").exists()
 
-    # the vLLM engine process killed while it generates the batches ahead (after the resumed step 2's
-    # checkpoint): with rollout.max_restarts=0 the run stops, naming the engine
+    # the vLLM engine process killed as the resumed launch starts generating batch 4 (a seeded moment
+    # after its resume): with rollout.max_restarts=0 the run stops, naming the engine
     proc = subprocess.Popen(job_cmd(b, *DETERMINISTIC, *RESUME), env=job_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    done = b / "checkpoints" / "step-000002" / "COMPLETE.json"
+    log = b / "run.log"
     end = time.time() + 600
-    while not done.exists():
-        assert proc.poll() is None and time.time() < end, "the launch ended or hung before its step-2 checkpoint"
+    while not (log.exists() and "continuing after step 1" in log.read_text()):
+        assert proc.poll() is None and time.time() < end, "the launch ended or hung before its resume"
         time.sleep(0.05)
+    time.sleep(rng.uniform(0.0, 0.5))
     engines = _engine_processes(proc.pid)
     assert engines, [c.name() for c in psutil.Process(proc.pid).children(recursive=True)]
     for e in engines:
         e.kill()
     _, err = proc.communicate(timeout=300)
     assert proc.returncode not in (0, None), err[-3000:]
-    assert "vLLM engine of rank 0" in err, err[-3000:]
+    assert "vLLM engine of rank 0" in err and "rollout.max_restarts=0" in err, err[-3000:]
 
     _launch_killed(b, DETERMINISTIC, _kill("weight_push", 3, rng, 0.3))
     out = _finish(b, DETERMINISTIC)

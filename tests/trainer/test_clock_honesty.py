@@ -30,11 +30,14 @@ def _long_tailed():
 
 
 def _run(stale_groups: str, seed: int):
+    """A trainer that takes and pushes at once (the weights move as fast as batches close); the
+    engine's timing jittered by `seed`."""
     eng = _long_tailed()
+    eng.rng = random.Random(seed)
     buf, gen = make(eng, k=K, groups=G, n=2, chunk=2, max_tokens=24, total=STEPS, deterministic=False,
                     drop=stale_groups == "drop", prompts=range(1000))
     buf.bind = stale_groups == "admission"
-    return buf, train(gen, STEPS, engine=eng, sleep_rng=random.Random(seed))
+    return buf, train(gen, STEPS, engine=eng)
 
 
 def _stage_metrics(batch, step):
