@@ -16,7 +16,7 @@ import sys
 from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from episode_end import calc, finish  # noqa: E402  (the reward, its POST and the log line)
+from episode_end import DEMO_EXPRESSION, DEMO_QUESTION, DEMO_RESULT, calc, finish  # noqa: E402
 
 set_tracing_disabled(True)  # traces would go to OpenAI's servers
 calls = []
@@ -36,7 +36,12 @@ agent = Agent(name="calculator", instructions="Use the calculate tool, then repl
 
 async def main() -> None:
     task = json.load(sys.stdin)
-    question = task["messages"][-1]["content"]
+    demo = [{"role": "user", "content": DEMO_QUESTION},  # a worked exchange first
+            {"type": "function_call", "call_id": "demo", "name": "calculate",
+             "arguments": json.dumps({"expression": DEMO_EXPRESSION})},
+            {"type": "function_call_output", "call_id": "demo", "output": DEMO_RESULT},
+            {"role": "assistant", "content": DEMO_RESULT}]
+    question = demo + [{"role": "user", "content": task["messages"][-1]["content"]}]
     answer = None
     try:
         result = Runner.run_streamed(agent, question, max_turns=3)

@@ -9,6 +9,10 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from calculator_agent import TOOL_BONUS, calc, first_number  # noqa: E402,F401  (calc: for the agents)
 
+# One worked exchange put before the question: a 135M model imitates a demonstrated tool call, not a
+# described one (as in examples/calculator_agent.py).
+DEMO_QUESTION, DEMO_EXPRESSION, DEMO_RESULT = "Compute 12 + 30. Respond with the result only.", "12 + 30", "42"
+
 
 def finish(framework: str, task: dict, answer, tool_calls: list) -> float:
     used_tool = any(not calc(c).startswith("error") for c in tool_calls)

@@ -12,12 +12,12 @@ import json
 import os
 import sys
 
-from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from episode_end import calc, finish  # noqa: E402  (the reward, its POST and the log line)
+from episode_end import DEMO_EXPRESSION, DEMO_QUESTION, DEMO_RESULT, calc, finish  # noqa: E402
 
 calls = []
 
@@ -33,10 +33,17 @@ def main() -> None:
     task = json.load(sys.stdin)
     llm = ChatOpenAI(model="policy", max_retries=0)
     messages = [SystemMessage("Use the calculate tool, then reply with the number only."),
+                HumanMessage(DEMO_QUESTION),  # a worked exchange first
+                AIMessage("", tool_calls=[{"name": "calculate", "args": {"expression": DEMO_EXPRESSION}, "id": "demo"}]),
+                ToolMessage(DEMO_RESULT, tool_call_id="demo"), AIMessage(DEMO_RESULT),
                 HumanMessage(task["messages"][-1]["content"])]
     reply = llm.bind_tools([calculate], tool_choice="calculate").invoke(messages)
     messages.append(reply)
-    messages += [calculate.invoke(call) for call in reply.tool_calls]  # ToolMessages
+    for call in reply.tool_calls:
+        try:
+            messages.append(calculate.invoke(call))  # a ToolMessage
+        except Exception as e:  # arguments that do not fit the tool's schema
+            messages.append(ToolMessage(f"error: {e}", tool_call_id=call["id"]))
     answer = llm.bind_tools([calculate]).invoke(messages).content if reply.tool_calls else reply.content
     finish("langchain", task, answer, calls)
 
