@@ -34,11 +34,14 @@ ROW_MARKERS = ("answer", "question", "messages", "meta")
 
 
 def row_fields(completion_text: str, prompt: Any) -> dict:
-    """A row-style function's keyword arguments: the prompt's meta keys, then `completion` (the
-    text), `prompt` (the Prompt record), `answer`, `question` (meta's, else the last user
-    message), `messages` and `meta` (the fixed names win over meta keys of the same name)."""
+    """A row-style function's keyword arguments: the file row's own fields (meta["record"] of
+    data=jsonl|parquet|hf), the prompt's meta keys, then `completion` (the text), `prompt` (the
+    Prompt record), `answer`, `question` (meta's, else the last user message), `messages` and
+    `meta` (later names win over earlier ones of the same name)."""
     meta = dict(getattr(prompt, "meta", {}) or {})
-    row = dict(meta)
+    record = meta.get("record")
+    row = dict(record) if isinstance(record, dict) else {}
+    row.update(meta)
     row.update(completion=completion_text, prompt=prompt, answer=getattr(prompt, "answer", None),
                question=meta.get("question", getattr(prompt, "text", None)),
                messages=getattr(prompt, "messages", None), meta=meta)

@@ -80,6 +80,11 @@ def test_the_row_fields():
     assert seen["completion"] == "the text" and seen["prompt"] is PROMPT and seen["answer"] == "8"
     assert seen["question"] == "What is 3 + 5?" and seen["messages"] == PROMPT.messages
     assert (seen["task"], seen["difficulty"], seen["meta"]) == ("sums", 2, {"task": "sums", "difficulty": 2})
+    # A file row's own fields (data=jsonl|parquet|hf keep the row as meta["record"]) come by name too.
+    seen.clear()
+    from_file = user_prompt("What is 2 + 2?", 4, record={"question": "What is 2 + 2?", "answer": 4, "level": "easy"})
+    as_verifier(everything)("4", from_file)
+    assert (seen["level"], seen["answer"], seen["record"]["answer"]) == ("easy", "4", 4)
 
 
 @pytest.mark.parametrize("name,needle", [
