@@ -15,9 +15,9 @@ Then, one engine, side by side (ABBA): the engine's own weight reload (vLLM `rel
 the safetensors file, already in the page cache), the sync without its check, and the probe
 check alone; with the greedy refresh (every PROBE_REFRESH-th probe) and the train step's check of
 its samples (the reduction over a default batch's sampled tokens, and `check_samples`), the sync +
-check per push under the probe on every push (rollout.sync_probe_every=1) and under the default
-(null: the probe every AUTO_PROBE_EVERY-th push, the train step's check between), as multiples of
-the engine's own reload.
+check per push under the probe on every push (rollout.sync_probe_every=1, the default) and under
+auto (null: the probe every AUTO_PROBE_EVERY-th push, the train step's check between), as multiples
+of the engine's own reload.
 
     make bench-sync [ARGS="bench.rounds=3 bench.model=smollm2 bench.dtypes=float32,bfloat16 bench.engines=1,2"]
 """
@@ -234,7 +234,7 @@ def main(argv) -> int:
               f"greedy refresh {c['refresh']:.3f} s (every 16th probe); the train step's sample check "
               f"{c['samples'] * 1e3:.3f} ms")
         for every, what in ((1, "probe on every sync (rollout.sync_probe_every=1)"),
-                            (AUTO_PROBE_EVERY, f"default: probe every {AUTO_PROBE_EVERY}th sync, the train step's "
+                            (AUTO_PROBE_EVERY, f"auto: probe every {AUTO_PROBE_EVERY}th sync, the train step's "
                                                "check between (sync_probe_every=null)")):
             total = per_push(c, every)
             print(f"[{dtype}] sync + check per push, {what}: {total:.3f} s = {total / reload:.2f}x the engine's own "
