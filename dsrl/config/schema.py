@@ -209,7 +209,7 @@ class AlgoConfig:
     reuse_probe_fraction: float = 0.125
     # adaptive: largest probe mean |logp_trainer - logp_rollout| per token that still reuses the rollout
     # log-probs; above it the full old-policy pass runs that step. None = by rollout.dtype (float32 1e-3,
-    # bfloat16 0.1; measured kernel noise in README "Adaptive reuse", dsrl/actor/reuse_probe.py).
+    # bfloat16 0.1; measured kernel noise in docs/benchmarks.md "Adaptive reuse", dsrl/actor/reuse_probe.py).
     reuse_max_mismatch: Optional[float] = None
     # Use the rollout engine's sampling log-probs as the PPO old policy.
     use_rollout_logprobs: bool = False
