@@ -92,7 +92,8 @@ async def _run_episode(task_json: dict) -> dict:
         errors += [f"{e.type}: {e.message}" for e in getattr(trace, "errors", [])]
     ok = bool(episode.ok) and len(episode.traces) == 1 and all(t.ok for t in episode.traces)
     reward = float(episode.traces[0].reward) if episode.traces and episode.traces[0].reward is not None else None
-    return {"idx": int(meta["idx"]), "ok": ok, "reward": reward, "errors": errors}
+    reply = episode.traces[0].last_reply if episode.traces else None
+    return {"idx": int(meta["idx"]), "ok": ok, "reward": reward, "errors": errors, "reply": reply}
 
 
 def run() -> int:
