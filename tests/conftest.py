@@ -85,18 +85,21 @@ def tiny_tokenizer(tiny_model_path):
 SHARED_WORKER = {
     "ray": ("tests/e2e/test_e2e_ray.py", "tests/rollout/test_ray_engines.py", "tests/rollout/test_ray_dispatch.py",
             "tests/distributed/test_ray_cluster.py", "tests/multinode/test_two_nodes.py",
-            "tests/rollout/test_hf_worker_build.py"),
+            "tests/multinode/test_agent_two_hosts.py", "tests/rollout/test_hf_worker_build.py"),
     "tiny-uninterrupted-run": ("tests/e2e/test_e2e_resume.py", "tests/e2e/test_behaviour_kept.py",
                                "tests/e2e/test_kill_anywhere.py"),
 }
 HEAVY_FIRST = (  # measured seconds per file, largest first (a full run's --durations, 2 pinned workers)
     "tests/e2e/test_kill_anywhere.py",  # ~520 s alone besides the shared uninterrupted run (9 launches)
     "tests/multinode/test_two_nodes.py",
+    "tests/agent/test_agent_frameworks.py",
     "tests/e2e/test_behaviour_kept.py",
     "tests/e2e/test_e2e_resume.py",
     "tests/rollout/test_engine_restart.py",
     "tests/e2e/test_e2e_async.py",
     "tests/e2e/test_e2e_agent_endpoint.py",
+    "tests/agent/test_verifiers_env.py",
+    "tests/docs/test_doc_commands.py",
     "tests/e2e/test_e2e_ray.py",
     "tests/rollout/test_ray_engines.py",
     "tests/serve/test_serve_soak.py",
