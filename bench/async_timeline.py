@@ -1,4 +1,4 @@
-"""A timeline simulator of 1 trainer + M rollout engines (issue 19 §4): what off-policy schedules buy,
+"""A timeline simulator of 1 trainer + M rollout engines: what off-policy schedules buy,
 before they are built, from measured per-token costs and a long-tailed response-length distribution.
 
 Schedules (each prints steps/s, samples/s, engine busy fraction and sample staleness):

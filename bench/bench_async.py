@@ -1,4 +1,4 @@
-"""Asynchronous rollouts side by side (issue 19 §4): the default job (SmolLM2, 8 prompts x 8
+"""Asynchronous rollouts side by side: the default job (SmolLM2, 8 prompts x 8
 samples, 16 tokens) as one CLI job per mode, the trainer pinned to one set of cores and the engine
 to another (`rollout.engine_cores`, `actor.num_threads`), and the median step time of each mode over
 its counted steps, printed as ratios to the synchronous loop. Every mode uses the rollout log-probs
@@ -11,7 +11,7 @@ same work per step and only the schedule differs.
     python bench/bench_async.py --learn --modes "sync (k=0),clock k=1"   # learning curves of other schedules
     python bench/bench_async.py --trainer-cores 0 --engine-cores 1 -- model.path=tiny   # extra overrides
 
-A learning run passes when last-5 minus first-5 mean reward is at least 0.4 (issue 19 §4)."""
+A learning run passes when last-5 minus first-5 mean reward is at least 0.4."""
 from __future__ import annotations
 
 import argparse

@@ -28,7 +28,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 OVERLAP = ["algo.off_policy_steps=1", "algo.use_rollout_logprobs=true"]
 DEFAULTS = ["+exp=grpo_reuse", *OVERLAP, "trainer.eval_before=false", "trainer.eval_after=false",
             "trainer.save_final=false", "logger.progress=false", "logger.plot=false", "logger.tensorboard=false"]
-LEARN_MARGIN = 0.4  # issue 7: last-5 mean reward at least this much above the first 5
+LEARN_MARGIN = 0.4  # last-5 mean reward at least this much above the first 5
 
 
 def ratio_run(block: int, blocks: int, overlap_threads: int, overrides: list) -> int:

@@ -1,6 +1,6 @@
 """Rollout speed of the default job (SmolLM2, 8 prompts x 8 samples, 16 new tokens, the machine's
 auto dtype): vLLM-CPU with dsrl's engine defaults (dsrl.rollout.vllm_worker) against the settings
-dsrl used before issue 9 and against transformers `generate` on the same 64 x 16 work, all in one
+dsrl used before the engine settings were tuned and against transformers `generate` on the same 64 x 16 work, all in one
 process, engines started once each and their generate calls interleaved (ABBA); medians and ratios.
 
     make bench-rollout [ARGS="bench.rounds=5 rollout.dtype=float32"]
@@ -24,7 +24,7 @@ import time
 
 N_PROMPTS, N_SAMPLES, MAX_TOKENS = 8, 8, 16
 
-# What dsrl's VLLMWorker used before issue 9 (environment of the engine process + LLM kwargs).
+# What dsrl's VLLMWorker used before the engine settings were tuned (environment of the engine process + LLM kwargs).
 OLD_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-{last}",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 OLD_KWARGS = dict(max_model_len=512, enforce_eager=True, logprobs_mode="processed_logprobs",

@@ -11,7 +11,7 @@ ABBA; the engine not used by a step gets the new weights after it, untimed. Spee
 - algo.skip_zero_variance_groups=true (all-equal-reward groups skip the forward) vs false;
 - rollout.sync_probe_every=10 (the weight-sync probe on every 10th push; the train step checks the
   pushes between on its sampled tokens) vs 1 (the probe after every push);
-- the vLLM-CPU engine defaults of dsrl.rollout.vllm_worker vs the settings used before issue 9
+- the vLLM-CPU engine defaults of dsrl.rollout.vllm_worker vs the settings used before the engine settings were tuned
   (bench/bench_rollout.py OLD_ENV / OLD_KWARGS).
 TRL runs in its own virtual environment (bench.trl_python, default /work/trl-venv/bin/python:
 `python -m venv /work/trl-venv && /work/trl-venv/bin/pip install torch==2.13.0 trl==1.16.0
@@ -47,7 +47,7 @@ PROBE_EVERY = 10
 
 @contextlib.contextmanager
 def old_rollout_settings():
-    """Build a vLLM worker with the engine settings dsrl used before issue 9: vLLM's own
+    """Build a vLLM worker with the engine settings dsrl used before the engine settings were tuned: vLLM's own
     multiprocessing, its environment and LLM kwargs of then."""
     import bench_rollout
     from dsrl.rollout import vllm_engine, vllm_worker
@@ -106,7 +106,7 @@ MODES = {
 
 def build_modes(overrides, budget, keys=("on", "off")):
     """The chosen modes: every speed-up on, the same with every sample trained, all of them off
-    (with the engine settings from before issue 9)."""
+    (with the engine settings from before the engine settings were tuned)."""
     out = {}
     for key in keys:
         name, settings = MODES[key]

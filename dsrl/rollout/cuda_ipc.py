@@ -1,8 +1,8 @@
 """Weight sync into a colocated vLLM engine on the same GPU through CUDA IPC handles.
 
-NOT YET RUN ON A GPU: written from torch's `multiprocessing/reductions.py` and the reading notes
-in shared/reference/gpu-path.md §1d / P8 (OpenRLHF, verl and vLLM 0.33's `ipc_engine.py` do the
-same); the CPU build cannot exercise it. `launch/gpu_smoke.sh vllm` is where it gets checked.
+NOT YET RUN ON A GPU: written from torch's `multiprocessing/reductions.py` (OpenRLHF, verl and
+vLLM 0.33's `ipc_engine.py` hand weights over the same way); the CPU build cannot exercise it.
+`launch/gpu_smoke.sh vllm` is where it gets checked.
 
 Per bucket (a uint8 CUDA buffer from dsrl.rollout.buckets): `reduce_tensor` gives a picklable
 handle; one `collective_rpc` carries it with the tensors' metadata; the engine's worker rebuilds

@@ -1,6 +1,6 @@
 """A colocated CUDA engine gives its GPU memory to the trainer during the train phase.
 
-One step's order (vLLM sleep mode, gpu-path.md §2 and P1/P3/P4):
+One step's order (vLLM sleep mode; docs/guides/gpu.md):
   rollout       engine fully awake (weights + KV cache), generating
   train         engine asleep: its weights (level 1: offloaded to host; level 2: dropped) and
                 KV cache are off the GPU, so the DeepSpeed engine has the memory

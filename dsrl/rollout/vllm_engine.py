@@ -148,8 +148,7 @@ DEFAULT_BUCKET_BYTES = 256 << 20  # push_weights(state dict): bucket size (the t
 def cuda_engine_kwargs(local_rank: int, colocated: bool) -> dict:
     """LLM(...) arguments of a CUDA engine colocated with trainer rank `local_rank`: its GPU
     (`device_ids=[local_rank]`, an index into CUDA_VISIBLE_DEVICES, which the deepspeed
-    launcher gives every rank in full; without it every rank's engine lands on visible GPU 0,
-    gpu-path.md §3) and sleep mode (its memory is freed during the train phase). Chosen over
+    launcher gives every rank in full; without it every rank's engine lands on visible GPU 0) and sleep mode (its memory is freed during the train phase). Chosen over
     rewriting CUDA_VISIBLE_DEVICES before the engine starts: that changes this process's
     environment for every later child (a restarted engine included) after CUDA is initialised,
     while device_ids is vLLM's own switch for its uni/mp executors. Its limits: no effect under
@@ -361,8 +360,8 @@ class VLLMEngine:
 
     def sleep(self, level: int = 1) -> None:
         """Free the engine's GPU memory for the train phase (vLLM sleep mode; level 1 keeps the
-        weights in host memory, level 2 drops them: only when every push rewrites all weights,
-        gpu-path.md P2). Nothing may be in flight (P4): the trainer calls it between phases. Only
+        weights in host memory, level 2 drops them: only when every push rewrites all weights).
+        Nothing may be in flight: the trainer calls it between phases. Only
         with sleep mode on: VLLMWorker.sleep decides (a no-op on CPU and on GPUs of its own)."""
         self.llm.sleep(level=int(level))
 

@@ -12,7 +12,7 @@ from typing import List
 
 from dsrl.serve.service import ServiceOptions
 
-# The key in the README and the example config: anyone may know it.
+# The key in docs/guides/tinker.md and the example config: anyone may know it.
 PUBLISHED_KEY = "tml-dsrl-local"
 
 

@@ -30,8 +30,7 @@ REFERENCE = "0a2d8307f7899020f1e4c1be76098118c1cb96cd"  # the last commit with t
 SCHEDULING_FIX = "3d7d955ab06809c863acab0ccae140da0f936128"  # vLLM: requests in before the engine steps
 REPO = Path(__file__).resolve().parents[2]
 # What `+exp=grpo_reuse` sets differently since REFERENCE, given to the reference job explicitly so
-# that both run one configuration (the knob exists at REFERENCE): the default job's token budget
-# (issue 20).
+# that both run one configuration (the knob exists at REFERENCE): the default job's token budget.
 CHANGED_DEFAULTS = ["actor.max_tokens_per_microbatch=1024"]
 DEFAULT_JOB = ["+exp=grpo_reuse", "trainer.total_steps=2", "trainer.eval_before=false", "trainer.eval_after=false",
                "logger.plot=false"]

@@ -1,4 +1,4 @@
-"""GPU checks, vLLM level (tests/gpu/vllm_smoke.py, gpu-path.md §6): skipped without CUDA or vLLM."""
+"""GPU checks, vLLM level (tests/gpu/vllm_smoke.py; docs/guides/gpu.md): skipped without CUDA or vLLM."""
 import importlib.util
 import os
 import subprocess

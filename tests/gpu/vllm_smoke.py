@@ -1,4 +1,4 @@
-"""GPU smoke, vLLM level (gpu-path.md §6): needs vLLM for CUDA (vllm==0.33.0, launch/setup.sh's CUDA
+"""GPU smoke, vLLM level (docs/guides/gpu.md): needs vLLM for CUDA (vllm==0.33.0, launch/setup.sh's CUDA
 flavour). Run by `launch/gpu_smoke.sh vllm` and tests/gpu/test_gpu_vllm.py; one GPU, one process.
 Everything goes through the product path: VLLMWorker colocated (device_ids=[LOCAL_RANK], sleep
 mode), a ZeRO-3 bf16 ActorEngine, WeightSync (CUDA IPC buckets), EngineMemory (sleep/wake order).

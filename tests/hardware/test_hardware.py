@@ -109,7 +109,7 @@ def test_validate_accepts_auto_and_names_a_bad_dtype():
 
 
 def test_probe_parses_cpuinfo(tmp_path, monkeypatch):
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)  # the suite may run under a cap (README)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)  # the suite may run under a cap (docs/concepts/exactness.md)
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: Made-up CPU 9000\n"
                     "flags\t\t: fpu sse avx2 avx512f avx512_bf16\n\nprocessor\t: 1\n")
@@ -127,7 +127,7 @@ def test_probe_of_this_machine_matches_proc_cpuinfo():
     with open("/proc/cpuinfo") as f:
         text = f.read()
     native = bool(re.search(r"^flags\s*:.*\b(amx_bf16|avx512_bf16)\b", text, re.M))
-    # A oneDNN cap below AVX512_CORE_BF16 (README: running the suite on another kernel path)
+    # A oneDNN cap below AVX512_CORE_BF16 (docs/concepts/exactness.md: the suite on another kernel path)
     # takes every bf16 instruction away.
     below_bf16 = {"sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni"}
     if os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower() in below_bf16:

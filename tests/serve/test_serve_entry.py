@@ -64,7 +64,7 @@ def test_server_process_answers_the_sdk_and_sigterm_leaves_no_engine_process(tmp
 @pytest.mark.parametrize("host,refused", [("0.0.0.0", True), ("10.1.2.3", True), ("myhost", True),
                                           ("127.0.0.1", False), ("::1", False), ("localhost", False)])
 def test_the_published_key_is_refused_off_loopback(host, refused):
-    """serve.api_keys=[tml-dsrl-local] (the README's key) on an interface other machines reach:
+    """serve.api_keys=[tml-dsrl-local] (the docs' key) on an interface other machines reach:
     refused before anything loads, naming serve.api_keys; with your own key it is fine."""
     import dataclasses
 

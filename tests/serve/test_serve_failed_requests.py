@@ -1,4 +1,4 @@
-"""A forward_backward that fails part-way leaves no gradient behind (issue 21 §2).
+"""A forward_backward that fails part-way leaves no gradient behind.
 
 The custom loss `serve_plugins.fails_on_marker` raises on a microbatch that holds a datum with
 the marker weight; with micro_batch_size=2 a 4-datum request whose last datum carries it fails

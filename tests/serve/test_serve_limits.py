@@ -1,4 +1,4 @@
-"""Hostile and oversized requests, and whose checkpoint is whose (issue 21 §2-3).
+"""Hostile and oversized requests, and whose checkpoint is whose.
 
 Each limit is a ``serve.*`` key, checked before anything of the request's size is allocated,
 refused with an error naming the field and the key; the server serves on. The HTTP layer

@@ -1,4 +1,4 @@
-"""The service under load (issue 21 §4), bounded to about a minute on 2 cores, loopback only.
+"""The service under load, bounded to about a minute on 2 cores, loopback only.
 
 One server process (`python -m dsrl.serve`, the tiny model, fp32, no sampler) and, at once:
 - eight SDK clients, each in a thread with its own session: five LoRA and three full-parameter
