@@ -222,39 +222,21 @@ def build_app(endpoint: "AgentEndpoint") -> FastAPI:
             return Response(status_code=499)
         return answer(out)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await serve(request, "chat")
+    # Each protocol route, at the root and under an episode's own base URL ({base}/episodes/{id}/v1):
+    # an unmodified program that reads OPENAI_BASE_URL needs no header (command agents get that URL).
+    def add_routes(path: str, route: str) -> None:
+        async def at_root(request: Request):
+            return await serve(request, route)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await serve(request, "completions")
+        async def under_episode(episode_id: str, request: Request):
+            return await serve(request, route, scoped=episode_id)
 
-    @app.post("/v1/responses")
-    async def responses(request: Request):
-        return await serve(request, "responses")
+        app.add_api_route(path, at_root, methods=["POST"], name=route)
+        app.add_api_route(f"/episodes/{{episode_id}}{path}", under_episode, methods=["POST"], name=f"scoped_{route}")
 
-    @app.post("/inference/v1/generate")
-    async def generate(request: Request):
-        return await serve(request, "generate")
-
-    # The same routes under an episode's own base URL ({base}/episodes/{id}/v1): an unmodified
-    # program that reads OPENAI_BASE_URL needs no header (command agents get this URL).
-    @app.post("/episodes/{episode_id}/v1/chat/completions")
-    async def scoped_chat_completions(episode_id: str, request: Request):
-        return await serve(request, "chat", scoped=episode_id)
-
-    @app.post("/episodes/{episode_id}/v1/completions")
-    async def scoped_completions(episode_id: str, request: Request):
-        return await serve(request, "completions", scoped=episode_id)
-
-    @app.post("/episodes/{episode_id}/v1/responses")
-    async def scoped_responses(episode_id: str, request: Request):
-        return await serve(request, "responses", scoped=episode_id)
-
-    @app.post("/episodes/{episode_id}/inference/v1/generate")
-    async def scoped_generate(episode_id: str, request: Request):
-        return await serve(request, "generate", scoped=episode_id)
+    for path, route in (("/v1/chat/completions", "chat"), ("/v1/completions", "completions"),
+                        ("/v1/responses", "responses"), ("/inference/v1/generate", "generate")):
+        add_routes(path, route)
 
     @app.post("/episodes/{episode_id}/v1/reward")
     async def scoped_reward(episode_id: str, request: Request):
