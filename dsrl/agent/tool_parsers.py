@@ -13,6 +13,7 @@ Register more with `register_tool_parser(name, parser)`; the registry is keyed b
 config uses."""
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import re
@@ -31,16 +32,18 @@ class ParsedOutput:
     calls: List[ParsedCall]
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Base of the registry's parsers (see the module docstring)."""
 
     name = ""
 
+    @abc.abstractmethod
     def parse(self, text: str, names: Sequence[str]) -> ParsedOutput:
-        raise NotImplementedError
+        """The reply's text -> its content and the calls of the named tools."""
 
+    @abc.abstractmethod
     def prefix(self, name: Optional[str]) -> str:
-        raise NotImplementedError
+        """The text that opens a call (of tool `name`, or of any tool when None)."""
 
 
 class HermesParser(ToolParser):

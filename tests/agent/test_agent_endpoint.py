@@ -73,9 +73,10 @@ def history_agent(base_url, episode_id, task):
 def endpoint(tiny_tokenizer):
     made = []
 
-    def make(agent, worker=None, limits=LIMITS, **kw):
-        w = worker or RecordingWorker(tiny_tokenizer, texts)
-        ep = AgentEndpoint(w, tiny_tokenizer, limits=limits, agent=agent, **kw).start()
+    def make(agent, worker=None, limits=LIMITS, tokenizer=None, **kw):
+        tok = tokenizer or tiny_tokenizer
+        w = worker or RecordingWorker(tok, texts)
+        ep = AgentEndpoint(w, tok, limits=limits, agent=agent, **kw).start()
         made.append(ep)
         return ep, w
 

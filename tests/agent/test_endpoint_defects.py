@@ -29,26 +29,12 @@ import openai
 import pytest
 import torch
 
-from dsrl.agent.endpoint.server import AgentEndpoint
 from dsrl.agent.episodes import episode_numbers
 from dsrl.loss.advantages import compute_advantages
-from test_agent_endpoint import LIMITS, N, TASKS, RecordingWorker, post_reward, seeds, texts
+from test_agent_endpoint import endpoint  # noqa: F401  (the fixture: endpoints made and closed per test)
+from test_agent_endpoint import N, TASKS, RecordingWorker, post_reward, seeds, texts
 
 
-@pytest.fixture()
-def endpoint(tiny_tokenizer):
-    made = []
-
-    def make(agent, worker=None, tokenizer=None, **kw):
-        tok = tokenizer or tiny_tokenizer
-        w = worker or RecordingWorker(tok, texts)
-        ep = AgentEndpoint(w, tok, limits=LIMITS, agent=agent, **kw).start()
-        made.append(ep)
-        return ep, w
-
-    yield make
-    for ep in made:
-        ep.close()
 
 
 ONE_TASK = TASKS[:1]  # one group of N=2 episodes: r1-e0 and r1-e1

@@ -552,12 +552,11 @@ class EpisodeBook:
                 message, text, finish = call.request.reply(text, finish, f"{ep.id}_{call.number}")
                 seq.last_messages = seq.last_messages + [message]
                 t.messages.append(message)
-            elif seq.tokens:
-                pass
-            elif seq.renderer is not None:
+            # (a token-in sequence keeps only ids: its client holds the text)
+            elif seq.renderer is not None and not seq.tokens:
                 seq.last_messages = seq.last_messages + [{"role": "assistant", "content": text}]
                 t.messages.append({"role": "assistant", "content": text})
-            else:
+            elif not seq.tokens:
                 seq.last_text = seq.last_text + text
             seq.in_flight = False
             ep.waiting -= 1
