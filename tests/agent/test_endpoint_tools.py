@@ -269,3 +269,24 @@ def test_tool_keys_are_checked_before_anything_loads(tmp_path, tiny_tokenizer):
     own.write_text("{{ messages[0]['content'] }}")
     assert tool_template_source(tiny_tokenizer, str(own)) == "{{ messages[0]['content'] }}"
     assert tool_template_source(tiny_tokenizer, "auto") == chatml_tools()  # SmolLM2's template has no tools
+
+
+@pytest.mark.parametrize("template, takes", [
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", False),
+    # the word alone is not a template that renders tools: a comment, a string, an attribute
+    ("{# tools are not supported #}{{ messages[0]['content'] }}", False),
+    ("{{ 'no tools here' }}{{ messages[0].tools }}", False),
+    ("{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}{{ messages[0]['content'] }}", True),
+    ("{%- set tool_list = tools or [] -%}{{ tool_list | length }}", True),
+    # a tag of transformers' own (no jinja extension here): the `{% %}` / `{{ }}` blocks are searched
+    ("{% generation %}{{ messages[0]['content'] }}{% endgeneration %}{{ tools }}", True),
+    ("{% generation %}{{ messages[0]['content'] }}{% endgeneration %}{# tools #}", False),
+    # a tokenizer's named templates: transformers renders a request with tools by `tool_use`
+    ({"default": "{{ messages[0]['content'] }}", "tool_use": "{{ tools | tojson }}"}, True),
+    ({"default": "{{ messages[0]['content'] }}"}, False),
+    (None, False),
+])
+def test_auto_finds_a_template_that_takes_tools_by_its_parsed_source(template, takes):
+    from dsrl.agent.endpoint.chat import takes_tools
+
+    assert takes_tools(template) is takes

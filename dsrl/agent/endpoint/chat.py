@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any, List, Optional, Sequence, Tuple
 
 from dsrl.agent.endpoint.book import EndpointError, _text
@@ -61,14 +62,35 @@ def _nonzero(v: Any) -> bool:
     return v not in (None, False, [], {}, 0, 0.0, "")
 
 
+def takes_tools(chat_template: Any) -> bool:
+    """Whether a chat template renders `tools`: the template reads a variable named `tools` (its
+    parsed source, so a comment or a string that mentions tools does not count). A tokenizer's
+    template may be a dict of named templates: its `tool_use` one (what transformers picks for a
+    request with tools), else its `default`. A template jinja cannot parse (an extension tag of its
+    own) is searched for a `tools` name in its `{{ }}` / `{% %}` blocks."""
+    if isinstance(chat_template, dict):
+        chat_template = chat_template.get("tool_use") or chat_template.get("default") or ""
+    if not chat_template:
+        return False
+    import jinja2
+    import jinja2.meta
+
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(
+            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template))
+    except jinja2.TemplateSyntaxError:
+        blocks = re.findall(r"\{[{%](.*?)[%}]\}", chat_template, flags=re.S)
+        return any(re.search(r"\btools\b", block) for block in blocks)
+
+
 def tool_template_source(tokenizer: Any, choice: str) -> Optional[str]:
     """The template that renders tool requests: None for the model's own (it takes `tools`), or
     a template's text. `choice`: auto | model | chatml | path/to/template.jinja."""
-    own = getattr(tokenizer, "chat_template", None) or ""
+    own = takes_tools(getattr(tokenizer, "chat_template", None))
     if choice == "auto":
-        return None if "tools" in own else _read(TOOL_TEMPLATES["chatml"], choice)
+        return None if own else _read(TOOL_TEMPLATES["chatml"], choice)
     if choice == "model":
-        if "tools" not in own:
+        if not own:
             raise ValueError("rollout.tool_template=model: the model's chat template does not take `tools`; use "
                              "auto or chatml (dsrl's ChatML tool template) or a .jinja file")
         return None
