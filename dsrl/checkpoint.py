@@ -4,7 +4,8 @@ A checkpoint is one folder `<run_dir>/checkpoints/step-NNNNNN/` holding
   deepspeed/           DeepSpeed's checkpoint (module, optimizer, scheduler; one partition per rank)
   critic/              the critic's DeepSpeed checkpoint (algo.advantage_estimator=gae only)
   rank-R.pt            rank R's RNG states (python, numpy, torch) and its trainer state
-  trainer_state.json   step, metrics so far and their W&B run's id, the resolved config, world size (rank 0)
+  trainer_state.json   step, metrics so far and their W&B run's id, the prompts.jsonl rows so far, the
+                       resolved config, world size (rank 0)
   hf/                  the policy as a transformers folder (for use outside dsrl)
   COMPLETE.json        written last: every file with its size and CRC-32
 It is written under a temporary name; every file is fsynced, then the manifest is written (and

@@ -31,10 +31,12 @@ from dsrl.stages.rollout import RolloutStage
 from dsrl.stages.scoring import ScoringPasses
 from dsrl.stages.state import LoopState
 from dsrl.tracking import MetricsLogger, PhaseTimer, plot_run
+from dsrl.tracking.jsonl import JsonlLog
 from dsrl.validation.reuse import ReuseDecision, steps_per_rollout
 from dsrl.validation.validate import async_mode, probe_every
 
 log = logging.getLogger("dsrl")
+PROMPTS_FILENAME = "prompts.jsonl"
 PHASES = ("rollout", "old_logprobs", "ref_logprobs", "teacher_logprobs", "critic_values", "critic_train", "train",
           "weight_sync")
 
@@ -65,6 +67,10 @@ class Trainer:
         self.algo = dataclasses.asdict(cfg.algo)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.logger = MetricsLogger.from_config(run_dir, cfg)  # jsonl + TensorBoard (+ W&B)
+        # The prompts' lineage: per step and rank, the draw numbers of the prompts trained and dropped
+        # (RolloutStage.lineage); `lineage` holds the current step's rows until they are logged.
+        self.prompt_log = JsonlLog(os.path.join(run_dir, PROMPTS_FILENAME), enabled=is_main_rank())
+        self.lineage: list = []
         self.timer = PhaseTimer(phases=PHASES)
         self.steps_per_rollout = steps_per_rollout(cfg)
         self.start_step = 0  # the last finished step (restore() sets it from a checkpoint)
@@ -103,6 +109,8 @@ class Trainer:
                 self.save(step)
                 raise
             self.logger.log(step, metrics)
+            for row in self.lineage:
+                self.prompt_log.append(row)
             say(self.logger.summary_line(step, metrics))
             if cfg.logger.plot and is_main_rank() and step % max(cfg.logger.plot_every, 1) == 0:
                 plot_run(self.logger.history, os.path.join(self.run_dir, "plot.png"))
@@ -126,6 +134,7 @@ class Trainer:
         if cfg.trainer.save_final:
             self.actor.save_hf(os.path.join(self.run_dir, "final_model"), tokenizer=self.tokenizer)
         self.logger.close()
+        self.prompt_log.close()
         return summary
 
     # ------------------------------------------------------------------ checkpoints
@@ -137,15 +146,17 @@ class Trainer:
             **({"storage": "node_local"} if self.cfg.trainer.checkpoint_storage == "node_local" else {}),
             **({"critic": self.critic} if self.critic is not None else {}),  # gae: the critic's DeepSpeed state
             rank_state=self.state.state_dict(),
-            shared={"metrics": self.logger.history, "wandb_run_id": self.logger.wandb_run_id,
+            shared={"metrics": self.logger.history, "prompts": self.prompt_log.history,
+                    "wandb_run_id": self.logger.wandb_run_id,
                     "config": config_record(self.cfg), "hardware_auto": list(self.hardware_auto)})
         if is_main_rank():
             log.info("checkpoint of step %d: %s (%.1f s)", step, folder, seconds)
         return folder
 
     def restore(self, folder: str) -> int:
-        """Continue from a checkpoint: weights, optimizer, RNGs, the loop state, metrics so far (and
-        their W&B run); the rollout engine gets the restored weights. Returns the checkpoint's step."""
+        """Continue from a checkpoint: weights, optimizer, RNGs, the loop state, metrics and prompt
+        lineage so far (and the metrics' W&B run); the rollout engine gets the restored weights.
+        Returns the checkpoint's step."""
         shared = read_shared_state(folder)
         self.actor.load_checkpoint(folder)
         if self.critic is not None:
@@ -156,6 +167,7 @@ class Trainer:
         # as a fresh run's are before it draws); a checkpoint written before the W&B run's id
         # was kept starts a new W&B run.
         self.logger.restore(shared["metrics"], step=self.start_step, wandb_run_id=shared.get("wandb_run_id"))
+        self.prompt_log.rewrite(shared.get("prompts", []))  # a checkpoint written before the file existed: none
         restore_rng(state["rng"])
         self.state.load_state_dict(state["trainer"])  # a field an older checkpoint lacks keeps its fresh value
         self.rollout.restored(self.start_step)
@@ -187,6 +199,7 @@ class Trainer:
             metrics.update(self.rollout.push(step, lambda: self.weight_sync.push(step)))
         self.state.weights_step = step
         rollout_metrics = self.rollout.metrics(step, rollout)
+        self.lineage = self.rollout.lineage(step, rollout)
         metrics.update(self.timer.pop())
         metrics.update(rollout_metrics)
         metrics["train/skipped_steps"] = float(self.state.skips.total)

@@ -69,3 +69,13 @@ def broadcast_from_rank0(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj` (a picklable object), in rank order, on every rank; `[obj]` when there
+    is one rank. Collective."""
+    if not _distributed():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

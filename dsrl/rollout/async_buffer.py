@@ -48,6 +48,12 @@ TrainingDiverged; a finished run resumed with a larger trainer.total_steps; batc
 is continued with one warning naming why (`AsyncBuffer.resume`): the engine holds the checkpoint's
 weights, which sample every chunk until the schedule asks for the next push.
 
+Each admission draws one prompt, so a group's admission index is its prompt's draw number in the
+rank's stream: prompts.jsonl lists, per step, the numbers a batch trains and those dropped while it
+was open; after a resume, the numbers of a snapshot's groups in flight are kept and new admissions
+continue from its count, so over the whole history each number is trained or dropped once (the
+groups still in flight when the run ends, in the last checkpoint's buffer, are neither).
+
 `AsyncBuffer` is the state and its transitions (no threads, no engine); `AsyncGenerator` drives it
 from a daemon thread. Nothing here is collective: each rank generates its own share."""
 from __future__ import annotations
@@ -83,7 +89,9 @@ class Trajectory:
 
 @dataclass
 class Group:
-    index: int  # admission order on this rank (0, 1, ...)
+    # admission order on this rank (0, 1, ...): the prompt's draw number in this rank's prompt stream
+    # (one draw per admission), its identity in prompts.jsonl; snapshotted with the groups in flight
+    index: int
     prompt: object  # the data item the verifier scores against
     trajectories: List[Trajectory]
     rewards: List[float] = field(default_factory=list)
@@ -104,6 +112,7 @@ class Batch:
     index: int  # 1-based: the step that trains it
     groups: List[Group]
     dropped_ids: List[int] = field(default_factory=list)  # admission indices of the dropped groups
+    dropped_prompts: tuple = ()  # their prompts, in the same order
     dropped_samples: int = 0
     dropped_reward_sum: float = 0.0
     dropped_length_sum: int = 0
@@ -209,6 +218,7 @@ class AsyncBuffer:
     def _close(self) -> None:
         dropped = self.open_dropped
         self.ready.append(Batch(self.closed + 1, self.open_batch, dropped_ids=[g.index for g in dropped],
+                                dropped_prompts=tuple(g.prompt for g in dropped),
                                 dropped_samples=sum(len(g.trajectories) for g in dropped),
                                 dropped_reward_sum=sum(sum(g.rewards) for g in dropped),
                                 dropped_length_sum=sum(len(t.response_ids) for g in dropped

@@ -48,6 +48,17 @@ class Rollout:
     fault_counts: dict = field(default_factory=dict)  # this rank's fault counters of the rollout (not reduced)
     source_metrics: dict = field(default_factory=dict)  # the prompt source's metrics after its draws
     async_counts: dict = field(default_factory=dict)  # algo.async_schedule clock|deterministic: local sums
+    # The prompts' identities: each training prompt's draw number in this rank's prompt stream (0, 1,
+    # ... over the run). `drawn`: prompts this rollout drew; `trained_draws`: the groups in `samples`,
+    # in their order; `dropped_draws`: drawn and never trained (dynamic sampling's all-equal and
+    # surplus groups; the asynchronous schedules' stale groups). `*_prompts`: their Prompt.uid, in
+    # the same order (set by the caller, which holds the prompts). Immutable defaults: a rollout
+    # pickled in a checkpoint before they existed reads them as empty.
+    drawn: int = 0
+    trained_draws: Sequence[int] = ()
+    dropped_draws: Sequence[int] = ()
+    trained_prompts: Sequence[str] = ()
+    dropped_prompts: Sequence[str] = ()
 
 
 def is_informative(rewards: Sequence[float]) -> bool:
@@ -68,16 +79,19 @@ def next_round_size(need: int, informative: int, drawn: int, share: int) -> int:
     return min(share, math.ceil(need * drawn / informative))
 
 
-def collect_rollout(generate_round: GenerateRound, *, share: int, dynamic: bool, max_rounds: int) -> Rollout:
+def collect_rollout(generate_round: GenerateRound, *, share: int, dynamic: bool, max_rounds: int,
+                    first_draw: int = 0) -> Rollout:
     """This rank's samples of one step: `share` prompts in one generation, or, with `dynamic`,
     up to `max_rounds` generations keeping only informative groups until `share` are kept. A
     shortfall after the last round is filled with the latest all-equal groups (zero advantage
     under group-normalized estimators, as a step without dynamic sampling would hold them), so
-    every rank trains exactly `share` groups."""
+    every rank trains exactly `share` groups. `first_draw`: the draw number of the first prompt
+    drawn (each round draws its prompts in group order)."""
     if max_rounds < 1:
         raise ValueError(f"algo.max_sampling_rounds={max_rounds} must be >= 1")
-    kept: List[List[Sample]] = []
-    uninformative: List[List[Sample]] = []
+    kept: List[tuple] = []  # (draw number, the group's samples)
+    uninformative: List[tuple] = []
+    surplus: List[int] = []  # draw numbers of informative groups beyond the share
     out = Rollout(samples=[], rounds=0)
     drawn = informative = 0
     while out.rounds < (max_rounds if dynamic else 1) and len(kept) < share:
@@ -89,20 +103,25 @@ def collect_rollout(generate_round: GenerateRound, *, share: int, dynamic: bool,
         out.reward_sum += sum(float(s.reward) for s in samples)
         out.length_sum += sum(model_tokens(s) for s in samples)  # episodes: environment tokens not counted
         for group in split_groups(samples):
+            drew = first_draw + drawn - count + group[0].group  # group g is the round's g-th prompt
             if dynamic and not is_informative([s.reward for s in group]):
-                uninformative.append(group)
+                uninformative.append((drew, group))
             elif len(kept) < share:
                 informative += 1
-                kept.append(group)
+                kept.append((drew, group))
             else:
                 informative += 1
                 out.surplus_groups += 1
+                surplus.append(drew)
     out.kept_groups = len(kept)
     fill = share - len(kept)  # > 0 only when max_rounds ran out; round 0 drew `share` groups, so enough
     fillers = uninformative[max(0, len(uninformative) - fill):] if fill > 0 else []
     out.filler_groups = len(fillers)
     out.dropped_groups = len(uninformative) - len(fillers)
-    out.samples = renumber(kept + fillers)
+    out.samples = renumber([g for _, g in kept + fillers])
+    out.drawn = drawn
+    out.trained_draws = [d for d, _ in kept + fillers]
+    out.dropped_draws = surplus + [d for d, _ in uninformative[:len(uninformative) - len(fillers)]]
     return out
 
 

@@ -14,7 +14,8 @@ from typing import List
 from dsrl.actor.batch import Sample
 from dsrl.agent.rollout import generate_episode_samples, mean_episode_metrics
 from dsrl.data.registry import source_metrics
-from dsrl.distributed.collectives import all_reduce_max, all_reduce_sum
+from dsrl.data.types import Prompt
+from dsrl.distributed.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
 from dsrl.distributed.ranks import global_rank, is_main_rank, world_size
 from dsrl.rollout.dynamic import Rollout, collect_rollout
 from dsrl.rollout.faults import FaultCounter, fault_metrics, pop_counts
@@ -25,6 +26,11 @@ from dsrl.stages.state import LoopState
 from dsrl.validation.validate import async_mode
 
 log = logging.getLogger("dsrl")
+
+
+def prompt_uid(prompt) -> str:
+    """A training prompt's id in prompts.jsonl: Prompt.uid (the source's meta id, else its text)."""
+    return prompt.uid if isinstance(prompt, Prompt) else str(prompt)
 
 
 class RolloutStage:
@@ -143,9 +149,11 @@ class RolloutStage:
         t0 = time.perf_counter()
         first_prompt = global_rank() * self.prompts_per_rank
         episodes: List[tuple] = []  # rollout.env: (episodes, agent metrics) of each round
+        uids: List[str] = []  # the uid of each prompt drawn, in draw order
 
         def generate_round(sampling_round: int, count: int) -> List[Sample]:
             prompts = self.source.sample_train(count, self.state.prompt_rng)
+            uids.extend(prompt_uid(p) for p in prompts)
             if cfg.rollout.agent_endpoint:  # a black-box agent per episode, through the OpenAI-compatible endpoint
                 seeds = request_seeds(cfg.rollout.seed, step, first_prompt, len(prompts), sampling_round)
                 samples, agent_metrics = self.agent_endpoint().run_round(
@@ -169,7 +177,10 @@ class RolloutStage:
                                     max_tokens=cfg.rollout.max_new_tokens, show_progress=show_progress, seeds=seeds)
 
         out = collect_rollout(generate_round, share=self.prompts_per_rank, dynamic=a.dynamic_sampling,
-                              max_rounds=a.max_sampling_rounds)
+                              max_rounds=a.max_sampling_rounds, first_draw=self.state.prompts_drawn)
+        out.trained_prompts = [uids[d - self.state.prompts_drawn] for d in out.trained_draws]
+        out.dropped_prompts = [uids[d - self.state.prompts_drawn] for d in out.dropped_draws]
+        self.state.prompts_drawn += out.drawn
         out.weights_step, out.seconds = weights_step, time.perf_counter() - t0
         # This rank's fault counts, taken now: under overlap the next rollout starts before this
         # one's step logs its metrics.
@@ -204,7 +215,11 @@ class RolloutStage:
                       reward_sum=sum(rewards) + batch.dropped_reward_sum,
                       length_sum=sum(len(s.response_ids) for s in samples) + batch.dropped_length_sum,
                       weights_step=step - 1 - max(lags),  # the oldest token's version
-                      seconds=time.perf_counter() - t0, async_counts=counts)
+                      seconds=time.perf_counter() - t0, async_counts=counts,
+                      # a group's admission index is its draw number: one draw per admission
+                      trained_draws=[g.index for g in batch.groups], dropped_draws=list(batch.dropped_ids),
+                      trained_prompts=[prompt_uid(g.prompt) for g in batch.groups],
+                      dropped_prompts=[prompt_uid(p) for p in batch.dropped_prompts])
         out.fault_counts = pop_counts(*self.fault_counters)
         out.source_metrics = source_metrics(self.source)
         return out
@@ -254,6 +269,15 @@ class RolloutStage:
         out["reward/mean"] = tot[0] / max(tot[1], 1)
         out["rollout/response_length"] = tot[2] / max(tot[1], 1)
         return out
+
+    def lineage(self, step: int, rollout: Rollout) -> list:
+        """prompts.jsonl's rows of `step`, one per rank: the draw numbers (in that rank's prompt
+        stream) of the prompts the step trains (in batch order) and of those it dropped (in draw
+        order), and their Prompt.uid in the same order. Collective."""
+        dropped = sorted(zip(rollout.dropped_draws, rollout.dropped_prompts))
+        mine = {"trained": list(rollout.trained_draws), "dropped": [d for d, _ in dropped],
+                "trained_prompts": list(rollout.trained_prompts), "dropped_prompts": [u for _, u in dropped]}
+        return [{"step": step, "rank": r, **row} for r, row in enumerate(all_gather_objects(mine))]
 
     def _dynamic_metrics(self, step: int, rollout: Rollout) -> dict:
         a = self.cfg.algo

@@ -31,6 +31,10 @@ class LoopState:
     # partial trajectories and versions, finished groups, closed batches, the prompt stream's
     # position), as snapshotted at the last push; None for the other loops.
     async_buffer: Optional[AsyncBuffer] = None
+    # Training prompts this rank has drawn from prompt_rng (the next one's draw number; each prompt's
+    # identity in prompts.jsonl). The asynchronous schedules number their draws in the buffer
+    # instead (a group's admission index), snapshotted with the stream's position.
+    prompts_drawn: int = 0
 
     @classmethod
     def fresh(cls, *, seed: int, rank: int, max_skipped_steps: int,

@@ -12,7 +12,6 @@ a float; NaN and +/-inf are written as ``null`` (strict JSON) with a warning.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import numbers
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from dsrl.distributed.ranks import is_main_rank
+from dsrl.tracking.jsonl import JsonlLog
 
 __all__ = ["MetricsLogger", "format_summary", "SUMMARY_KEYS"]
 
@@ -145,8 +145,7 @@ class MetricsLogger:
         that a ``restore`` before it continues the checkpoint's run in both."""
         self.run_dir = Path(run_dir)
         self.enabled = is_main_rank() if enabled is None else bool(enabled)
-        self.history: List[Dict[str, Any]] = []
-        self._file = None
+        self._rows = JsonlLog(self.metrics_path, enabled=self.enabled)  # metrics.jsonl and the history
         self._tensorboard = tensorboard
         self._writer = None
         self.wandb = None
@@ -154,8 +153,6 @@ class MetricsLogger:
         self._closed = False
         if not self.enabled:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.metrics_path, "a", encoding="utf-8")
         if wandb:
             from dsrl.tracking.wandb_sink import WandbSink
 
@@ -169,6 +166,11 @@ class MetricsLogger:
         return cls(run_dir, tensorboard=lg.tensorboard, wandb=lg.wandb, wandb_project=lg.wandb_project,
                    wandb_mode=lg.wandb_mode, config=dataclasses.asdict(cfg) if lg.wandb else None,
                    name=getattr(cfg, "name", None), quiet=not lg.verbose)
+
+    @property
+    def history(self) -> List[Dict[str, Any]]:
+        """The records so far (this run's, after a restore's), one dict per logged step."""
+        return self._rows.history
 
     @property
     def metrics_path(self) -> Path:
@@ -237,8 +239,7 @@ class MetricsLogger:
             warnings.warn(f"step {step}: non-finite metrics logged as null: {', '.join(nonfinite)}",
                           RuntimeWarning, stacklevel=2)
         self.open()
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        self._rows.append(record)
         if self._writer is not None:
             for key, val in scalars.items():
                 self._writer.add_scalar(key, val, global_step=step)
@@ -247,7 +248,6 @@ class MetricsLogger:
             self._writer.flush()
         if self.wandb is not None:
             self.wandb.log(step, scalars)
-        self.history.append(record)
         return record
 
     def restore(self, history: List[Dict[str, Any]], *, step: int, wandb_run_id: Optional[str]) -> None:
@@ -260,14 +260,9 @@ class MetricsLogger:
         an exact resume logs the same ones, timings aside). Before the first ``log``."""
         if self._opened:
             raise RuntimeError("MetricsLogger.restore after the logger started (open or log)")
-        self.history = [dict(r) for r in history]
+        self._rows.rewrite(history)
         if not self.enabled:
             return
-        self._file.close()
-        with open(self.metrics_path, "w", encoding="utf-8") as f:
-            for record in self.history:
-                f.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file = open(self.metrics_path, "a", encoding="utf-8")
         self._open(purge_step=step + 1, wandb_run_id=wandb_run_id)
 
     def summary_line(self, step: int, metrics: Mapping[str, Optional[float]]) -> str:
@@ -284,9 +279,7 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.close()
             self.wandb = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._rows.close()
 
     def __enter__(self) -> "MetricsLogger":
         return self

@@ -250,3 +250,64 @@ def test_a_snapshot_without_a_push_is_taken_at_a_chunk_boundary():
     assert state["taken"] == 1 and state["version"] == 0
     assert all(len(t.response_ids) % 3 == 0 or t.finish_reason for g in state["active"] for t in g.trajectories)
     gen.stop()
+
+
+def _lineage(batch, k):
+    """prompts.jsonl's row of `batch` (RolloutStage.lineage on one rank; its reductions are the identity)."""
+    from types import SimpleNamespace
+
+    from dsrl.stages.rollout import RolloutStage
+
+    stage = RolloutStage.__new__(RolloutStage)
+    stage.cfg = SimpleNamespace(algo=SimpleNamespace(off_policy_steps=k))
+    stage.generator = SimpleNamespace(take=lambda s: batch, generation_seconds=0.0)
+    stage.fault_counters, stage.source = (), None
+    [row] = stage.lineage(batch.index, stage._async_batch(batch.index))
+    return row
+
+
+def test_groups_are_numbered_by_their_draw_and_a_resumed_clock_run_keeps_the_numbers():
+    """A group's admission index is its prompt's draw number in the rank's prompt stream (one draw per
+    admission), the identity prompts.jsonl records: replaying the stream, group i's prompt is the i-th
+    draw. A clock snapshot (the checkpoint of step 3) restored into a fresh buffer keeps its groups in
+    flight with their numbers and prompts, new admissions continue the stream and the count, and over
+    both runs each number is trained or dropped once (long prompts, one in four, are overtaken and
+    dropped), or still in flight at the end."""
+    lengths = {p: (16 if p % 4 == 1 else 2) for p in range(100, 10_000)}
+
+    def build(seed, weights=0):
+        eng = StandInEngine(lengths=lengths, jitter=0.0005)
+        eng.rng, eng.weights = random.Random(seed), weights
+        return (eng, *make(eng, k=1, groups=4, n=2, chunk=2, max_tokens=16, total=8, deterministic=False))
+
+    stream = random.Random(0)  # make()'s prompt stream, replayed
+    draws = [stream.randrange(100, 10_000) for _ in range(200)]
+
+    eng, buf, gen = build(0)
+    first = train(gen, 3, engine=eng, sleep_rng=random.Random(1))
+    gen.checkpoint_snapshot(3)
+    state = buf.state_dict()
+    in_flight = [(g.index, g.prompt) for g in state["active"]]
+
+    eng2, buf2, gen2 = build(1, weights=3)
+    buf2.load_state_dict(state)
+    assert buf2.resume(3, deterministic=False) is None
+    gen2.restore_prompt_rng()
+    assert [(g.index, g.prompt) for g in buf2.active] == in_flight
+    rest = train(gen2, 5, engine=eng2, start=4, sleep_rng=random.Random(2))
+
+    rows = [_lineage(b, 1) for b in first + rest]
+    assert [r["step"] for r in rows] == list(range(1, 9)) and all(len(r["trained"]) == 4 for r in rows)
+    groups = {g.index: g for b in first + rest for g in b.groups}
+    assert [r["trained"] for r in rows] == [[g.index for g in b.groups] for b in first + rest]
+    assert [r["dropped"] for r in rows] == [sorted(b.dropped_ids) for b in first + rest]
+    trained = [i for r in rows for i in r["trained"]]
+    dropped = [i for r in rows for i in r["dropped"]]
+    assert dropped and all(draws[i] % 4 == 1 for i in dropped)  # the long ones
+    assert all(groups[i].prompt == draws[i] for i in trained)  # each number is its draw, after the resume too
+    assert [u for r in rows for u in r["trained_prompts"] + r["dropped_prompts"]] == \
+        [str(draws[i]) for r in rows for i in r["trained"] + r["dropped"]]
+    assert {i for i, _ in in_flight} <= set(trained) | set(dropped)  # the snapshot's groups in flight, not lost
+    left = [g.index for g in buf2.active + buf2.open_batch + buf2.open_dropped + buf2.waiting]
+    numbers = sorted(trained + dropped + left)
+    assert numbers == list(range(buf2.admitted)), "a draw trained twice, or lost"

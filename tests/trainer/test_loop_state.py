@@ -16,7 +16,8 @@ from _loop_fakes import make_cfg, make_trainer
 
 # What a checkpoint's rank file holds besides the RNGs. A new LoopState field must be added here
 # (and so reviewed for resume) or this test fails.
-CHECKPOINTED = ["prompt_rng", "skips", "critic_skips", "next_rollout", "weights_step", "sync", "async_buffer"]
+CHECKPOINTED = ["prompt_rng", "skips", "critic_skips", "next_rollout", "weights_step", "sync", "async_buffer",
+                "prompts_drawn"]
 
 
 def test_every_field_is_checkpointed_and_restored():
@@ -27,6 +28,7 @@ def test_every_field_is_checkpointed_and_restored():
     a.critic_skips.record(True, 1)
     a.critic_skips.record(True, 2)
     a.weights_step = 7
+    a.prompts_drawn = 12
     a.next_rollout.preload(8, Rollout(samples=["x"]))
     a.sync.pushes, a.sync.checks, a.sync.sequences = 5, 3, [[1, 2, 3]]
 
@@ -36,14 +38,15 @@ def test_every_field_is_checkpointed_and_restored():
     assert b.load_state_dict(torch.load(_roundtrip(state), weights_only=False)) == []
     assert b.prompt_rng.random() == a.prompt_rng.random()
     assert (b.skips.total, b.skips.consecutive, b.critic_skips.total) == (1, 1, 2)
-    assert b.weights_step == 7 and b.next_rollout.holds(8) and b.next_rollout.take(8).samples == ["x"]
+    assert b.weights_step == 7 and b.prompts_drawn == 12
+    assert b.next_rollout.holds(8) and b.next_rollout.take(8).samples == ["x"]
     assert (b.sync.pushes, b.sync.checks, b.sync.sequences) == (5, 3, [[1, 2, 3]])
 
 
 def test_an_older_checkpoint_without_a_field_keeps_its_fresh_value():
     b = LoopState.fresh(seed=0, rank=0, max_skipped_steps=3)
     old = {"prompt_rng": random.Random(5).getstate(), "skips": {"total": 2, "consecutive": 0}, "next_rollout": None}
-    assert b.load_state_dict(old) == ["critic_skips", "weights_step", "sync", "async_buffer"]
+    assert b.load_state_dict(old) == ["critic_skips", "weights_step", "sync", "async_buffer", "prompts_drawn"]
     assert b.skips.total == 2 and b.critic_skips.total == 0 and b.weights_step == 0
 
 
