@@ -57,29 +57,39 @@ def retie_head(model) -> int:
 
 def load_bucket(worker, data: torch.Tensor, metas: Sequence[TensorMeta], first: bool, last: bool) -> int:
     """Load one bucket (a uint8 buffer in this process) into the worker's model, inside the sync's
-    layerwise-reload session; returns the number of tensors loaded."""
+    layerwise-reload session (`first` opens it, `last` closes it: `finish_reload`); returns the
+    number of tensors loaded."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
-                                                                    initialize_layerwise_reload)
+    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
     model = worker.model_runner.get_model()
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
         if first:
             initialize_layerwise_reload(model)
-        tensors = unpack_buffer(data, metas)
-        model.load_weights(iter(tensors))
-        if last:
-            try:
-                finalize_layerwise_reload(model, worker.vllm_config.model_config)
-                retie_head(model)
-                runner = worker.model_runner
-                for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
-                    fn = getattr(runner, reset, None)
-                    if fn is not None:
-                        fn()
-            finally:
-                del tensors
+        model.load_weights(iter(unpack_buffer(data, metas)))
+    if last:
+        finish_reload(worker)
     return len(metas)
+
+
+def finish_reload(worker) -> int:
+    """Close the sync's layerwise-reload session (after its last bucket): layers that got nothing
+    keep their old tensors, the tied head is re-tied, the runner's derived caches are dropped.
+    Also a collective_rpc target of its own (a pipelined sync learns it is done only after its
+    last bucket was sent). Returns 1 if the head was re-tied."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    model = worker.model_runner.get_model()
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+        tied = retie_head(model)
+        runner = worker.model_runner
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            fn = getattr(runner, reset, None)
+            if fn is not None:
+                fn()
+    return tied
 
 
 def load_shm_bucket(worker, path: str, rows: Sequence[MetaTuple], first: bool, last: bool) -> int:

@@ -60,18 +60,12 @@ class ResilientWorker:
 
     def push_weights(self, weights, step: int) -> float:
         """Weights (a state dict or Buckets, dsrl.rollout.buckets) into the engine. A worker that
-        loads from shared memory (`shared_memory_sync`) gets them staged here first, in segments
-        this wrapper owns: they outlive a rebuilt engine, which loads them back (no disk write),
-        and a retried load reads the same bytes. Other workers get the call as is."""
+        loads from shared memory (`shared_memory_sync`) gets them staged here, in segments this
+        wrapper owns, each bucket loaded while the next is packed (`_push_shared`): they outlive a
+        rebuilt engine, which loads them back (no disk write), and a retried load reads the same
+        bytes. Other workers get the call as is."""
         if self._shm_worker():
-            from dsrl.rollout.buckets import pack_buckets
-            from dsrl.rollout.vllm_engine import DEFAULT_BUCKET_BYTES
-
-            staging = self._shm_staging()
-            if isinstance(weights, Mapping):
-                weights = pack_buckets(weights.items(), DEFAULT_BUCKET_BYTES, alloc=staging.alloc)
-            refs = staging.stage(weights)
-            seconds = self._call("load_shared_weights", refs)
+            seconds = self._push_shared(weights)
         else:
             # A streamed push (CUDA IPC: a one-pass iterator of GPU buckets) cannot be replayed
             # into a rebuilt engine: a failure there stops the run instead of retrying with a
@@ -80,6 +74,36 @@ class ResilientWorker:
             seconds = self._call("push_weights", weights, step, _replayable=replayable)
         self._pushed = True
         return seconds
+
+    def _push_shared(self, weights) -> float:
+        """The pipelined shared-memory push (dsrl.rollout.shm_transport.stage_and_load), each
+        engine call under this wrapper's deadline and liveness checks. An engine that dies or
+        hangs mid-push: the rest is staged all the same (a ZeRO-3 export runs to the end), then
+        the engine is rebuilt and loads the whole staged sync. Any error that leaves this call
+        (another error of a load, restarts exhausted, the export's own) removes the staged files:
+        the engine holds a half-loaded sync that nothing could load back."""
+        from dsrl.rollout.buckets import pack_buckets
+        from dsrl.rollout.shm_transport import BucketLoadError, stage_and_load
+        from dsrl.rollout.vllm_engine import DEFAULT_BUCKET_BYTES
+
+        t0 = time.perf_counter()
+        staging = self._shm_staging()
+        if isinstance(weights, Mapping):
+            weights = pack_buckets(weights.items(), DEFAULT_BUCKET_BYTES, alloc=staging.alloc)
+        try:
+            try:
+                stage_and_load(staging, weights, lambda ref, first: self._attempt(self.worker.load_shared_bucket,
+                                                                                  ref, first),
+                               lambda: self._attempt(self.worker.finish_shared_load), name=self.name)
+            except BucketLoadError as e:
+                if not isinstance(e.__cause__, _EngineFailed):
+                    raise
+                self._failed("load_shared_bucket", e.__cause__, 1, True)
+                self._call("load_shared_weights", staging.refs, _failures=1)
+        except BaseException:
+            staging.discard()
+            raise
+        return time.perf_counter() - t0
 
     def bucket_allocator(self):
         """Where the weight sync packs buckets: this wrapper's shared-memory segments (no copy
@@ -137,10 +161,12 @@ class ResilientWorker:
         return out
 
     # ------------------------------------------------------------------ retry and restart
-    def _call(self, method: str, *args, _replayable: bool = True, **kwargs):
+    def _call(self, method: str, *args, _replayable: bool = True, _failures: int = 0, **kwargs):
+        """`method` of the worker, retried on a rebuilt engine; `_failures`: attempts that already
+        failed (the first try then rebuilds the engine)."""
         if self.worker is None:
             raise RuntimeError(f"{self.name}: used after close()")
-        failures = 0
+        failures = int(_failures)
         while True:
             try:
                 if failures:
@@ -148,17 +174,22 @@ class ResilientWorker:
                 return self._attempt(getattr(self.worker, method), *args, **kwargs)
             except _EngineFailed as e:
                 failures += 1
-                if self.worker is not None:
-                    self.worker.kill()
-                if failures > self.max_restarts or not _replayable:
-                    self.worker = None
-                    why = ("" if _replayable else " (a streamed weight push cannot be replayed into a rebuilt engine; "
-                           "resume from the last checkpoint)")
-                    raise RolloutEngineError(
-                        f"{self.name}: {method} failed {failures} time(s) (rollout.max_restarts={self.max_restarts}); "
-                        f"last cause: {e}{why}") from e.__cause__
-                log.warning("%s: %s failed (%s); restarting the engine (restart %d of at most %d)", self.name,
-                            method, e, failures, self.max_restarts)
+                self._failed(method, e, failures, _replayable)
+
+    def _failed(self, method: str, e: _EngineFailed, failures: int, replayable: bool) -> None:
+        """Attempt number `failures` of `method` failed: the engine is killed; raises
+        RolloutEngineError when no restart is left (or the call cannot be replayed)."""
+        if self.worker is not None:
+            self.worker.kill()
+        if failures > self.max_restarts or not replayable:
+            self.worker = None
+            why = ("" if replayable else " (a streamed weight push cannot be replayed into a rebuilt engine; "
+                   "resume from the last checkpoint)")
+            raise RolloutEngineError(
+                f"{self.name}: {method} failed {failures} time(s) (rollout.max_restarts={self.max_restarts}); "
+                f"last cause: {e}{why}") from e.__cause__
+        log.warning("%s: %s failed (%s); restarting the engine (restart %d of at most %d)", self.name,
+                    method, e, failures, self.max_restarts)
 
     def _restart(self) -> None:
         """A fresh engine with the same arguments and the trainer's current weights; a failure

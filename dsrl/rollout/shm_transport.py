@@ -7,7 +7,14 @@ engine maps the file without copying (dsrl.rollout.engine_load). The files of th
 until the next sync or `close()`, so a rebuilt engine gets the trainer's weights back from them
 without any per-step disk write. Files are named `dsrl-sync-<pid>-<n>-<bucket>`; `close()` (also
 run at exit) removes them; a process killed before that leaves its files behind, and the next
-ShmStaging on the machine removes the files of processes that no longer run."""
+ShmStaging on the machine removes the files of processes that no longer run.
+
+Pipelined (`stage_and_load`): the engine loads bucket i while the trainer packs bucket i+1 into
+the next file (each bucket has a file of its own, so nothing is overwritten while it is read).
+One loader thread makes the engine calls, in order (one per bucket, then one that closes the
+engine's reload session, dsrl.rollout.engine_load.finish_reload); the caller's thread packs. The
+buckets are consumed to the end whatever happens to the loads (under ZeRO-3 the export is
+collective), and a failed load is raised after that, naming the bucket and the engine."""
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +22,10 @@ import contextlib
 import atexit
 import itertools
 import os
+import queue
+import threading
 from dataclasses import dataclass
-from typing import Iterable, List, Optional
+from typing import Callable, Iterable, Iterator, List, Optional
 
 import torch
 
@@ -83,6 +92,11 @@ class ShmStaging:
     def stage(self, buckets: Iterable[Bucket]) -> List[ShmBucketRef]:
         """Consume `buckets` (packed with `alloc`, or copied in here) and record them as the last
         staged sync; segments beyond the new count are removed."""
+        return list(self.staged(buckets))
+
+    def staged(self, buckets: Iterable[Bucket]) -> Iterator[ShmBucketRef]:
+        """`stage`, one bucket at a time: each bucket's ref as soon as its bytes are in its file.
+        The refs become the last staged sync only once `buckets` is exhausted."""
         self.refs = []  # a staging that fails midway leaves no half-new sync behind as "last"
         refs = []
         for i, b in enumerate(buckets):
@@ -90,24 +104,100 @@ class ShmStaging:
             if seg is None or b.data.data_ptr() != seg.buffer.data_ptr():
                 self.alloc(i, b.nbytes)[:b.nbytes].copy_(b.data[:b.nbytes])
             refs.append(ShmBucketRef(self._segments[i].path, meta_tuples(b.metas), b.nbytes))
+            yield refs[-1]
         for seg in self._segments[len(refs):]:
             if seg is not None:
                 seg.remove()
         del self._segments[len(refs):]
         self.refs = refs
-        return refs
 
     @property
     def paths(self) -> List[str]:
         return [s.path for s in self._segments if s is not None]
 
-    def close(self) -> None:
-        """Remove every segment (idempotent)."""
+    def discard(self) -> None:
+        """Remove every segment; the staging stays usable (the next sync creates new ones)."""
         for seg in self._segments:
             if seg is not None:
                 seg.remove()
         self._segments, self.refs = [], []
+
+    def close(self) -> None:
+        """Remove every segment (idempotent)."""
+        self.discard()
         atexit.unregister(self.close)
+
+
+class BucketLoadError(RuntimeError):
+    """An engine failed to load one staged bucket (or to close the reload session after the last
+    one). `index` is the bucket's (== `count` for the closing call); the cause is chained."""
+
+    def __init__(self, message: str, index: int, count: int):
+        super().__init__(message)
+        self.index, self.count = index, count
+
+
+_DONE = object()
+
+
+def stage_and_load(staging: ShmStaging, buckets: Iterable[Bucket], load: Callable[[ShmBucketRef, bool], object],
+                   finish: Callable[[], object], *, name: str = "rollout engine") -> List[ShmBucketRef]:
+    """Stage `buckets` (packed with `staging.alloc`) and load each into the engine as soon as it
+    is staged: `load(ref, first)` for every bucket in order, then `finish()`, from one loader
+    thread while this thread packs the next bucket (module docstring). Returns the refs (the
+    staging's last sync). After a failed load the remaining buckets are still packed and staged
+    (not loaded), then BucketLoadError names the bucket and `name`; the staging then holds the
+    whole new sync, for a rebuilt engine. A failure of `buckets` itself (the export) stops the
+    loads, removes every staged file (a half-new sync is of no use) and is raised as is. Either
+    way the engine's reload session is closed (`finish`) once it was opened."""
+    todo: queue.Queue = queue.Queue()
+    failed: list = []  # (index, ref or None, exception) of the first failed call
+
+    def loader():
+        while True:
+            item = todo.get()
+            if item is None:  # nothing was sent
+                return
+            index, ref = (item[0], None) if item[1] is _DONE else item
+            if ref is None:
+                # The engine's reload session is closed even after a failed load, so that the
+                # next sync starts a new one (a layer left half-loaded is repaired by it).
+                try:
+                    finish()
+                except BaseException as e:
+                    if not failed:
+                        failed.append((index, None, e))
+                return
+            if not failed:
+                try:
+                    load(ref, index == 0)
+                except BaseException as e:  # raised by the caller's thread below
+                    failed.append((index, ref, e))
+
+    def stop(count: int) -> None:
+        todo.put((count, _DONE) if count else None)  # no bucket sent: no session to close
+        thread.join()
+
+    thread = threading.Thread(target=loader, name="dsrl-weight-load", daemon=True)
+    thread.start()
+    count = 0
+    try:
+        for ref in staging.staged(buckets):
+            todo.put((count, ref))
+            count += 1
+    except BaseException:
+        failed.append(None)  # no more loads; the session is still closed
+        stop(count)
+        staging.discard()
+        raise
+    stop(count)
+    if failed:
+        index, ref, e = failed[0]
+        what = (f"closing the reload session after the last of {count} weight buckets" if ref is None else
+                f"loading weight bucket {index} of {count} ({ref.path}: {len(ref.rows)} tensors, "
+                f"{ref.rows[0][0]} .. {ref.rows[-1][0]})")
+        raise BucketLoadError(f"{name}: {what} failed: {type(e).__name__}: {e}", index, count) from e
+    return staging.refs
 
 
 def leftover_segments(pid: Optional[int] = None, directory: str = SHM_DIR) -> List[str]:

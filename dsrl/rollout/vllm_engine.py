@@ -5,7 +5,8 @@ dsrl.rollout.vllm_worker.VLLMWorker.
 
 Weight push (dsrl.rollout.weight_sync): the trainer's weights arrive as buckets (dsrl.rollout.buckets).
 On CPU they are staged in shared memory by the worker (dsrl.rollout.shm_transport) and loaded here with
-one RPC per bucket (`load_shared_weights`, dsrl.rollout.engine_load). On CUDA a colocated engine gets
+one RPC per bucket (`load_shared_bucket` as each is staged, then `finish_shared_load`; a rebuilt
+engine: `load_shared_weights`, all at once; dsrl.rollout.engine_load). On CUDA a colocated engine gets
 them through CUDA IPC handles (`push_ipc`, dsrl.rollout.cuda_ipc; not yet run on a GPU).
 `probe_logprobs` scores fixed token sequences so the trainer can check the sync
 (`rollout/sync_logprob_diff`).
@@ -282,12 +283,29 @@ class VLLMEngine:
         """Load staged buckets (dsrl.rollout.shm_transport.ShmBucketRef, in packing order): one
         RPC per bucket, all in one layerwise-reload session (dsrl.rollout.engine_load); then the
         prefix cache, computed with the old weights, is dropped. Returns seconds."""
-        from dsrl.rollout.engine_load import load_shm_bucket
-
         t0 = time.perf_counter()
         refs = list(refs)
         for i, ref in enumerate(refs):
-            self.llm.collective_rpc(load_shm_bucket, args=(ref.path, ref.rows, i == 0, i == len(refs) - 1))
+            self.load_shared_bucket(ref, i == 0)
+        if refs:
+            self.finish_shared_load()
+        return time.perf_counter() - t0
+
+    def load_shared_bucket(self, ref, first: bool) -> float:
+        """One staged bucket of a pipelined sync (`first` opens the reload session, which
+        `finish_shared_load` closes once the trainer has sent the last one). Returns seconds."""
+        from dsrl.rollout.engine_load import load_shm_bucket
+
+        t0 = time.perf_counter()
+        self.llm.collective_rpc(load_shm_bucket, args=(ref.path, ref.rows, bool(first), False))
+        return time.perf_counter() - t0
+
+    def finish_shared_load(self) -> float:
+        """Close a pipelined sync's reload session; the prefix cache is dropped. Returns seconds."""
+        from dsrl.rollout.engine_load import finish_reload
+
+        t0 = time.perf_counter()
+        self.llm.collective_rpc(finish_reload)
         self.llm.reset_prefix_cache()
         return time.perf_counter() - t0
 

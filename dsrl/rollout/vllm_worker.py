@@ -75,6 +75,7 @@ class VLLMWorker:
                  local_rank: int = 0, local_world: int = 1, weights_dir: Optional[str] = None,
                  colocated: bool = False, lora_rank: int = 0, host: str = "auto", cores: str = ""):
         self.host = resolve_host(host)
+        self.model_path = str(model_path)
         self.weights_dir = weights_dir  # unused: weights arrive through shared memory (kept for callers)
         self.lora_enabled = int(lora_rank) > 0
         engine_kwargs = dict(dtype=dtype, seed=seed, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
@@ -121,23 +122,40 @@ class VLLMWorker:
 
     def push_weights(self, weights, step: int) -> float:
         """New weights into the engine: a state dict ({HF name: tensor}) or an iterable of Buckets
-        (dsrl.rollout.buckets). CPU: staged in this worker's shared memory, then
-        `load_shared_weights`; CUDA: IPC handles (dsrl.rollout.cuda_ipc). Returns seconds."""
+        (dsrl.rollout.buckets; a lazy iterator is consumed to the end). CPU: staged in this
+        worker's shared memory, the engine loading each bucket while the next is packed
+        (dsrl.rollout.shm_transport.stage_and_load); CUDA: IPC handles (dsrl.rollout.cuda_ipc).
+        Returns seconds."""
         from dsrl.rollout.buckets import pack_buckets
 
         t0 = time.perf_counter()
         if not self.shared_memory_sync:
             self._engine.call("push_ipc", weights)
             return time.perf_counter() - t0
+        from dsrl.rollout.shm_transport import stage_and_load
+
+        staging = self._own_staging()
         if isinstance(weights, Mapping):
-            weights = pack_buckets(weights.items(), DEFAULT_BUCKET_BYTES, alloc=self._own_staging().alloc)
-        refs = self._own_staging().stage(weights)
-        self.load_shared_weights(refs)
+            weights = pack_buckets(weights.items(), DEFAULT_BUCKET_BYTES, alloc=staging.alloc)
+        try:
+            stage_and_load(staging, weights, self.load_shared_bucket, self.finish_shared_load,
+                           name=f"vLLM engine ({self.model_path})")
+        except BaseException:
+            staging.discard()  # the engine holds a half-loaded sync: nothing here to reload it from
+            raise
         return time.perf_counter() - t0
 
     def load_shared_weights(self, refs) -> float:
         """Load staged buckets (dsrl.rollout.shm_transport.ShmBucketRef, in packing order). Returns seconds."""
         return self._engine.call("load_shared_weights", list(refs))
+
+    def load_shared_bucket(self, ref, first: bool) -> float:
+        """One bucket of a pipelined sync (dsrl.rollout.shm_transport.stage_and_load). Returns seconds."""
+        return self._engine.call("load_shared_bucket", ref, bool(first))
+
+    def finish_shared_load(self) -> float:
+        """Close a pipelined sync's reload session (after its last bucket). Returns seconds."""
+        return self._engine.call("finish_shared_load")
 
     def reload_pushed_weights(self) -> bool:
         """Load this worker's last staged weights again; False when nothing was pushed through it."""

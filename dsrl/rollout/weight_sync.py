@@ -205,9 +205,11 @@ class WeightSync:
             device, alloc = None, gpu_alloc()  # buckets on the GPU for CUDA IPC (dsrl.rollout.cuda_ipc)
         packed = pack_buckets(self.actor.export_named_tensors(copy=False, device=device), self.bucket_bytes,
                               alloc=alloc)
-        if stream:
-            # CUDA IPC into this rank's own engine: the buckets stream, one or two alive at a time,
+        if stream or alloc is not None:
+            # The buckets stream. CUDA IPC into this rank's own engine: one or two alive at a time,
             # never a second full copy of the model on the GPU (the bound: dsrl.rollout.cuda_ipc).
+            # Shared-memory staging: the engine loads each bucket while the next is packed
+            # (dsrl.rollout.shm_transport.stage_and_load, which consumes them to the end).
             counted = _Counted(packed)
             self.worker.push_weights(counted, step)
             nbytes, count = counted.nbytes, counted.count

@@ -1,8 +1,10 @@
 """Weight sync into a REAL vLLM engine (tiny Llama, float32) through shared memory: after the
 trainer's weights change, a sync makes vLLM's log-probs match the trainer's and an independent
-HF model's; small buckets split layers across engine calls (one layerwise-reload session); a sync
-that misses a bucket trips the tolerance error naming the engine; the staged segments stay until
-close and /dev/shm holds none of them after. (A rebuilt engine reloading them:
+HF model's; small buckets split layers across engine calls (one layerwise-reload session), each
+loaded while the next is packed, with exactly the result of the engine's own reload; a sync that
+misses a bucket trips the tolerance error naming the engine; a bucket the engine fails to load is
+named with the engine, and no staged file is left; the staged segments stay until close and
+/dev/shm holds none of them after. (A rebuilt engine reloading them:
 tests/rollout/test_engine_restart.py, whose pushes take this path.)"""
 from __future__ import annotations
 
@@ -100,6 +102,7 @@ def test_a_missing_bucket_trips_the_tolerance_naming_the_engine(actor, rw):
         # Bucket 0 holds the embedding (and, through the re-tie, the head): left out, the engine
         # keeps the last sync's copy. (Leaving out part of a fused layer, e.g. gate_proj without
         # up_proj, leaves that part uninitialised in vLLM: not a deterministic test.)
+        buckets = list(buckets)  # streamed into a worker that stages them (one pass)
         assert [m.name for m in buckets[0].metas] == ["model.embed_tokens.weight"]
         return real_push(buckets[1:], step)
 
@@ -134,3 +137,54 @@ def test_probe_prefixes_are_fixed_and_the_continuation_is_the_trainers_greedy_ch
     _perturb(actor, 9)
     assert all(sync.probe_sequences() == first for _ in range(PROBE_REFRESH - 1))
     assert sync.probe_sequences() == trainer_greedy_probe(actor, [p[:4] for p in sync.prefixes]) != first
+
+
+def test_pipelined_push_gives_the_engine_exactly_what_its_own_reload_of_the_trainers_weights_gives(actor, rw,
+                                                                                                 tmp_path):
+    """The push streams many small buckets, each loaded while the next is packed
+    (dsrl.rollout.shm_transport.stage_and_load); afterwards the engine's log-probs equal, bit for
+    bit, those after vLLM's own reload of a safetensors file of the trainer's weights."""
+    from safetensors.torch import save_file
+
+    sync = WeightSync(actor, rw, _cfg(sync_probe=False))
+    _perturb(actor, 5)
+    m = sync.push(5)
+    assert m["rollout/sync_buckets"] > 10
+    tokens = probe_tokens(actor.hf_config.vocab_size, n=4, length=16)
+    pushed = rw.probe_logprobs(tokens)
+    save_file(actor.state_dict_for_export(), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    rw.worker.reload_folder(str(tmp_path))
+    assert rw.probe_logprobs(tokens) == pushed
+
+
+def test_a_failed_bucket_load_names_the_bucket_and_the_engine_and_leaves_no_segment(actor, rw):
+    """An engine error on bucket 3 of a pipelined push: the export still runs to the end (under
+    ZeRO-3 it is collective), the error names the engine and the bucket, and no staged file is
+    left (the engine holds a half-loaded sync nothing could load back). The next push repairs it."""
+    from dsrl.rollout.buckets import Bucket
+    from dsrl.rollout.shm_transport import BucketLoadError
+
+    sync = WeightSync(actor, rw, _cfg())
+    _perturb(actor, 6)
+    real_push, drawn = rw.push_weights, []
+
+    def push_with_a_bad_bucket(buckets, step):
+        def renamed():
+            for i, b in enumerate(buckets):
+                drawn.append(i)
+                if i == 3:  # a tensor the model does not have: vLLM's load_weights raises
+                    b = Bucket(b.data, [dataclasses.replace(b.metas[0], name="model.layers.0.no_such.weight")]
+                               + b.metas[1:])
+                yield b
+        return real_push(renamed(), step)
+
+    rw.push_weights = push_with_a_bad_bucket
+    try:
+        with pytest.raises(BucketLoadError, match=re.escape(NAME) + r": loading weight bucket 3 of \d+ .*"
+                                                  r"model\.layers\.0\.no_such\.weight") as e:
+            sync.push(6)
+    finally:
+        del rw.push_weights
+    assert e.value.index == 3 and drawn == list(range(e.value.count)) and e.value.count > 10
+    assert leftover_segments(os.getpid()) == []
+    assert sync.push(7)["rollout/sync_logprob_diff"] < 1e-4  # probed: the engine serves the trainer's weights
