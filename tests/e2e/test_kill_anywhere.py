@@ -10,11 +10,14 @@ equal the uninterrupted run A's bit for bit:
   never taken: the resume goes back to step 2's);
 - the deterministic asynchronous schedule (k = 2): killed in the scoring of step 2, then its vLLM
   engine process killed as the resumed launch generates (rollout.max_restarts=0: the run stops
-  naming the engine), then killed in the weight push of step 3.
+  naming the engine), then killed in the weight push of step 3;
+- the clock schedule (k = 1): killed in the rollout of step 2, then while writing the checkpoint of
+  step 3; lossless, not exact (test_clock_async_killed_anywhere_loses_and_repeats_no_prompt).
 A kill during a resumed launch re-runs the steps after the checkpoint it resumed from; the rows
 those steps logged before the kill are rewritten, so each step appears once."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -26,6 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dsrl.data import build_source
 from e2e_jobs import STEPS, TINY, UNINTERRUPTED, job_cmd, job_env, metric_rows, untimed_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -35,6 +39,9 @@ RESUME = ["trainer.resume=auto"]
 DETERMINISTIC = [*TINY, f"trainer.total_steps={STEPS}", "trainer.save_every=1", "algo.off_policy_steps=2",
                  "algo.async_schedule=deterministic", "algo.use_tis=true", "algo.reuse_logprobs=auto",
                  "rollout.chunk_tokens=3", "rollout.max_restarts=0"]
+CLOCK = [*TINY, f"trainer.total_steps={STEPS}", "trainer.save_every=1", "algo.off_policy_steps=1",
+         "algo.async_schedule=clock", "algo.stale_groups=drop", "algo.use_tis=true", "algo.reuse_logprobs=auto",
+         "rollout.chunk_tokens=2"]
 
 
 def _kill(phase: str, step: int, rng: random.Random, longest: float) -> str:
@@ -137,3 +144,63 @@ def test_deterministic_async_killed_anywhere_and_its_engine_killed_resumes_bit_e
     out = _finish(b, DETERMINISTIC)
     assert "continuing after step" in out
     _same_run(a, b)
+
+
+def _in_flight_at_the_end(run_dir) -> dict:
+    """The groups the finished run drew and never trained nor dropped: those its last checkpoint's
+    buffer still holds (in flight, or finished after the last batch closed), by draw number -> uid."""
+    state = torch.load(run_dir / "checkpoints" / f"step-{STEPS:06d}" / "rank-0.pt", weights_only=False)
+    buf = state["trainer"]["async_buffer"]
+    groups = [g for name in ("active", "open_batch", "open_dropped", "waiting") for g in buf[name]]
+    return {"admitted": buf["admitted"], "left": {g.index: g.prompt.uid for g in groups}}
+
+
+def _replayed_stream(run_dir, count: int) -> list:
+    """The uids of the first `count` prompts of rank 0's stream, drawn as the asynchronous generator
+    draws them (one at a time from random.Random(data.seed * 1000 + rank)), from the run's config."""
+    data = json.loads((run_dir / "checkpoints" / f"step-{STEPS:06d}" / "trainer_state.json").read_text())["config"]["data"]
+    source, rng = build_source(data), random.Random(data["seed"] * 1000)
+    return [source.sample_train(1, rng)[0].uid for _ in range(count)]
+
+
+def test_clock_async_killed_anywhere_loses_and_repeats_no_prompt(tmp_path, tiny_model_path):
+    """The clock schedule (k = 1, stale groups dropped) killed in the rollout of step 2 and while
+    writing the checkpoint of step 3, then finished with trainer.resume=auto. Which chunk a push
+    lands between depends on timing, so the samples are no uninterrupted run's; what an
+    uninterrupted run guarantees is that each prompt drawn is trained once or dropped once (or is
+    still in flight when the run ends), and that is what the killed run must keep (no separate
+    uninterrupted run is needed to compare with). From prompts.jsonl over the final history: each
+    step once, the batch's 4 groups trained per step, no draw number twice, and every number below
+    the run's draw count trained or dropped, except the groups still in flight at the end (those
+    the last checkpoint's buffer holds); each number's prompt is the stream's draw of that number."""
+    b = tmp_path / "b"
+    rng = random.Random(SEED + 2)
+    _launch_killed(b, CLOCK, _kill("rollout", 2, rng, 1.0))
+    assert (b / "checkpoints" / "step-000001").exists() and not (b / "checkpoints" / "step-000002").exists()
+    _launch_killed(b, CLOCK, _kill("checkpoint", 3, rng, 0.5))
+    assert not (b / "checkpoints" / "step-000003").exists() and (b / "checkpoints" / ".tmp-step-000003").exists()
+    assert [r["step"] for r in _prompt_rows(b)] == [1, 2, 3]  # step 3's row is logged before its checkpoint
+    out = _finish(b, CLOCK)
+    assert "continuing after step 2" in out
+
+    rows = _prompt_rows(b)
+    assert [(r["step"], r["rank"]) for r in rows] == [(s, 0) for s in range(1, STEPS + 1)]
+    assert all(len(r["trained"]) == 4 for r in rows)  # algo.rollout_batch_size groups, one rank
+    numbers = [d for r in rows for d in r["trained"] + r["dropped"]]
+    assert len(set(numbers)) == len(numbers), f"a prompt trained or dropped twice: {rows}"
+    end = _in_flight_at_the_end(b)
+    left = end["left"]
+    assert not set(left) & set(numbers), (left, rows)
+    missing = sorted(set(range(max(numbers) + 1)) - set(numbers) - set(left))
+    assert not missing, f"draws lost by the resumes: {missing} (rows {rows}, in flight at the end {sorted(left)})"
+    assert sorted([*numbers, *left]) == list(range(end["admitted"]))
+    stream = _replayed_stream(b, end["admitted"])
+    for r in rows:
+        assert r["trained_prompts"] == [stream[d] for d in r["trained"]], (r, "a prompt redrawn or skipped")
+        assert r["dropped_prompts"] == [stream[d] for d in r["dropped"]], r
+    assert all(stream[d] == uid for d, uid in left.items())
+    assert [row["step"] for row in metric_rows(b)] == list(range(1, STEPS + 1))
+
+
+def _prompt_rows(run_dir) -> list:
+    return [json.loads(line) for line in (run_dir / "prompts.jsonl").read_text().splitlines()]
