@@ -90,15 +90,15 @@ SHARED_WORKER = {
                                "tests/e2e/test_kill_anywhere.py"),
 }
 HEAVY_FIRST = (  # measured seconds per file, largest first (a full run's --durations, 2 pinned workers)
+    "tests/agent/test_agent_frameworks.py",  # two SmolLM2 runs: both frameworks 2 steps, the learning 3 steps (~560 + ~600 s)
     "tests/e2e/test_kill_anywhere.py",  # ~520 s alone besides the shared uninterrupted run (9 launches)
     "tests/multinode/test_two_nodes.py",
-    "tests/agent/test_agent_frameworks.py",
     "tests/e2e/test_behaviour_kept.py",
     "tests/e2e/test_e2e_resume.py",
     "tests/rollout/test_engine_restart.py",
     "tests/e2e/test_e2e_async.py",
-    "tests/e2e/test_e2e_agent_endpoint.py",
     "tests/agent/test_verifiers_env.py",
+    "tests/e2e/test_e2e_agent_endpoint.py",
     "tests/docs/test_doc_commands.py",
     "tests/e2e/test_e2e_ray.py",
     "tests/rollout/test_ray_engines.py",
