@@ -8,7 +8,8 @@ equal the uninterrupted run A's bit for bit:
 - the synchronous loop (A: the session's uninterrupted run): killed in the rollout of step 2, the
   optimizer step of step 3, and while writing the checkpoint of step 3 (the half-written folder is
   never taken: the resume goes back to step 2's);
-- the deterministic asynchronous schedule (k = 2): killed in the scoring of step 2, then its vLLM
+- the deterministic asynchronous schedule (k = 2; its run A also checks the schedule: staleness per
+  step, the batches a checkpoint's buffer holds): killed in the scoring of step 2, then its vLLM
   engine process killed as the resumed launch generates (rollout.max_restarts=0: the run stops
   naming the engine), then killed in the weight push of step 3;
 - the clock schedule (k = 1): killed in the rollout of step 2, then while writing the checkpoint of
@@ -117,6 +118,17 @@ def test_deterministic_async_killed_anywhere_and_its_engine_killed_resumes_bit_e
     a, b = tmp_path / "a", tmp_path / "b"
     r = subprocess.run(job_cmd(a, *DETERMINISTIC), env=job_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
+    # the schedule itself, on run A: version v loads when batch v + 2 closes, so step s trains tokens
+    # of version max(0, s - 3)
+    rows = metric_rows(a)
+    assert [row["async/staleness_max"] for row in rows] == [0.0, 1.0, 2.0, 2.0]
+    assert [row["async/token_lag_mean"] for row in rows] == [0.0, 1.0, 2.0, 2.0]
+    lags = [[row[f"async/tokens_lag/{j}"] for j in range(4)] for row in rows]
+    assert [[j for j, n in enumerate(lag) if n] for lag in lags] == [[0], [1], [2], [2]]
+    # the checkpoint of step 2 holds the closed batches 3 and 4 (trained later) in its buffer
+    state = torch.load(a / "checkpoints" / "step-000002" / "rank-0.pt", weights_only=False)["trainer"]["async_buffer"]
+    assert (state["taken"], state["closed"], state["version"]) == (2, 4, 2)
+    assert [batch.index for batch in state["ready"]] == [3, 4]
     rng = random.Random(SEED + 1)
 
     _launch_killed(b, DETERMINISTIC, _kill("scoring", 2, rng, 0.3))
