@@ -49,8 +49,11 @@ tests/rollout/test_weight_sync_stale.py):
 The train step's check of its own samples (`check_samples`, between probes): on the tiny Llama in
 float32 with one of its two layers 5% stale, the default batch's samples (8 arith prompts, 8 samples,
 16 tokens) read 0.0102 against the probe's 0.0084 (tolerance 1e-3; a correct sync 0.0000 on both;
-tests/rollout/test_weight_sync_stale.py). Its bf16 reading on SmolLM2 is not measured yet (that test
-needs a CPU with native bf16); until it is, rollout.sync_probe_every stays 1 by default.
+tests/rollout/test_weight_sync_stale.py). In plain torch (bench/bench_sync_sensitivity.py) it reads
+1.6-2.5x the probe's value for the same stale layer in float32, and in bfloat16 (tiny model) it
+separates a 20%-stale layer 45x over its floor where the probe does 13x; the bf16 case on SmolLM2 with
+vLLM (tests/rollout/test_weight_sync_stale.py) needs a CPU with native bf16. It is the default between
+probes: rollout.sync_probe_every=null (auto, 16 where the config allows it).
 
 Tolerance (`rollout.sync_tolerance: null` = by the engine's dtype, `default_tolerance`):
 - float32 1e-3 (a correct sync: 2e-7 on the tiny Llama, 2e-5 on SmolLM2);

@@ -126,7 +126,10 @@ def test_guess_the_number_two_steps_vllm(tmp_path, tiny_model_path, tiny_tokeniz
     _check_steps(spy, old_pass=True)
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["rollout/sync_logprob_diff"] < TOL and r["agent/turns"] > 1 for r in rows)
+    assert all(r["agent/turns"] > 1 for r in rows)
+    # the probe on the first push (rollout.sync_probe_every auto); the pushes between are checked by the
+    # train step on its samples (the run stops otherwise)
+    assert rows[0]["rollout/sync_logprob_diff"] < TOL and all(r.get("rollout/sync_logprob_diff", 0.0) < TOL for r in rows)
 
 
 @pytest.mark.slow
