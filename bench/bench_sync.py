@@ -216,6 +216,17 @@ def run_dtype(model_path: str, dtype: str, rounds: int, bucket_mb: float, engine
             "costs": costs}
 
 
+def parse_options(argv, defaults: dict) -> dict:
+    """`bench.key=value` arguments over `defaults`; an unknown key exits naming the known ones."""
+    opts = dict(defaults)
+    for a in argv:
+        k, _, v = a.partition("=")
+        if k not in opts:
+            raise SystemExit(f"unknown option {k!r}; known: {sorted(opts)}")
+        opts[k] = v
+    return opts
+
+
 def main(argv) -> int:
     from dsrl import hardware
     from dsrl.setup_assets import smollm2_path
@@ -223,13 +234,8 @@ def main(argv) -> int:
 
     configure_test_env()  # DeepSpeed on CPU, its JIT op cache
 
-    opts = {"bench.rounds": "3", "bench.model": "smollm2", "bench.dtypes": "float32,bfloat16",
-            "bench.bucket_mb": "256", "bench.engines": "1,2"}
-    for a in argv:
-        k, _, v = a.partition("=")
-        if k not in opts:
-            raise SystemExit(f"unknown option {k!r}; known: {sorted(opts)}")
-        opts[k] = v
+    opts = parse_options(argv, {"bench.rounds": "3", "bench.model": "smollm2", "bench.dtypes": "float32,bfloat16",
+                                "bench.bucket_mb": "256", "bench.engines": "1,2"})
     model = str(smollm2_path() if opts["bench.model"] == "smollm2" else ensure_tiny_model())
     print(hardware.describe(hardware.probe(1)))
     print(f"model {model}, bucket {opts['bench.bucket_mb']} MiB, {opts['bench.rounds']} ABBA rounds")

@@ -29,27 +29,7 @@ from types import SimpleNamespace
 
 import torch
 
-SUMS = ((3, 5), (7, 2), (4, 4), (9, 1), (6, 8), (2, 2), (8, 5), (1, 7))  # the default batch's 8 prompts
 SAMPLES, MAX_TOKENS = 8, 16
-
-
-def default_batch(tokenizer):
-    """The default job's prompts (data: arith, chat template), as token ids."""
-    from dsrl.data.arith import ArithSource
-    from dsrl.data.chat import encode_prompts
-    from dsrl.data.types import Prompt
-
-    return encode_prompts(tokenizer, [Prompt([{"role": "user", "content": ArithSource.template.format(
-        expr=f"{a} + {b}")}], str(a + b)) for a, b in SUMS])
-
-
-def perturb(params, rel: float, seed: int) -> None:
-    """Each tensor moves by `rel` times its own spread, in a seeded random direction."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in params:
-            noise = torch.randn(p.shape, generator=g)
-            p.add_((rel * p.float().std() * noise).to(p.dtype))
 
 
 @torch.no_grad()
@@ -93,22 +73,23 @@ def measure(model_path: str, dtype: str, stales, layer: int, seed: int) -> list:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dsrl.rollout.weight_sync import PROBE_PREFIX, probe_tokens, trainer_greedy_probe, trainer_probe_logprobs
+    from dsrl.testing import default_job_prompts, perturb_weights
 
     torch_dtype = getattr(torch, dtype)
     tok = AutoTokenizer.from_pretrained(model_path)
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, attn_implementation="sdpa").eval()
     layers = base.config.num_hidden_layers
     layer = min(layer, layers - 1)
-    perturb(base.parameters(), 0.01, seed)  # a trained policy: the state the engine was last synced to
+    perturb_weights(base.parameters(), 0.01, seed)  # a trained policy: the state the engine was last synced to
     stale_engine = copy.deepcopy(base)
     stale_engine.set_attn_implementation("eager")
-    prompts = default_batch(tok)
+    prompts = default_job_prompts(tok)
     eos = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
     prefixes = [p[:PROBE_PREFIX] for p in probe_tokens(base.config.vocab_size)]
     rows = []
     for rel in stales:
         trainer = copy.deepcopy(base)  # the trainer moved one layer since; the engine did not get it
-        perturb(trainer.model.layers[layer].parameters(), rel, seed + 1)
+        perturb_weights(trainer.model.layers[layer].parameters(), rel, seed + 1)
         actor = SimpleNamespace(module=trainer, engine=trainer, hf_config=trainer.config)
         t0 = time.perf_counter()
         seqs = trainer_greedy_probe(actor, prefixes)
@@ -130,13 +111,10 @@ def main(argv) -> int:
     from dsrl.testing import ensure_tiny_model
     from dsrl.rollout.weight_sync import default_tolerance
 
-    opts = {"bench.model": "smollm2", "bench.dtype": "bfloat16", "bench.stale": "0,0.01,0.05,0.2",
-            "bench.layer": "15", "bench.seeds": "1"}
-    for a in argv:
-        k, _, v = a.partition("=")
-        if k not in opts:
-            raise SystemExit(f"unknown option {k!r}; known: {sorted(opts)}")
-        opts[k] = v
+    from bench_sync import parse_options
+
+    opts = parse_options(argv, {"bench.model": "smollm2", "bench.dtype": "bfloat16", "bench.stale": "0,0.01,0.05,0.2",
+                                "bench.layer": "15", "bench.seeds": "1"})
     model = str(smollm2_path() if opts["bench.model"] == "smollm2" else ensure_tiny_model())
     dtype = opts["bench.dtype"]
     tol = default_tolerance(dtype)

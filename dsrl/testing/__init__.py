@@ -94,3 +94,29 @@ def compose_config(*overrides: str):
     conf = Path(__file__).resolve().parents[2] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base=None):
         return to_config(compose(config_name="config", overrides=list(overrides)))
+
+
+def perturb_weights(params, rel: float, seed: int) -> None:
+    """Each tensor moves by `rel` times its own spread, in a seeded random direction (a stand-in for
+    training: the weight-sync stale-layer test and bench/bench_sync_sensitivity.py)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            noise = torch.randn(p.shape, generator=g)
+            p.add_((rel * p.float().std() * noise).to(p.dtype))
+
+
+DEFAULT_JOB_SUMS = ((3, 5), (7, 2), (4, 4), (9, 1), (6, 8), (2, 2), (8, 5), (1, 7))
+
+
+def default_job_prompts(tokenizer) -> list:
+    """The default job's prompts (data: arith, chat template): 8 sums in ArithSource's template, as
+    token ids."""
+    from dsrl.data.arith import ArithSource
+    from dsrl.data.chat import encode_prompts
+    from dsrl.data.types import Prompt
+
+    return encode_prompts(tokenizer, [Prompt([{"role": "user", "content": ArithSource.template.format(
+        expr=f"{a} + {b}")}], str(a + b)) for a, b in DEFAULT_JOB_SUMS])

@@ -21,6 +21,7 @@ from dsrl import hardware
 from dsrl.actor.engine import ActorEngine
 from dsrl.config.schema import RolloutConfig
 from dsrl.rollout.vllm_worker import VLLMWorker
+from dsrl.testing import default_job_prompts, perturb_weights
 from dsrl.rollout.weight_sync import (WeightSync, WeightSyncError, default_tolerance, probe_tokens,
                                       trainer_probe_logprobs)
 
@@ -28,14 +29,6 @@ pytestmark = pytest.mark.slow
 
 STALE_LAYER = 15  # of SmolLM2's 30 (the tiny Llama: its last)
 
-
-def _perturb(params, rel, seed):
-    """Each tensor moves by `rel` times its own spread, in a seeded random direction."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in params:
-            noise = torch.randn(p.shape, generator=g)
-            p.add_((rel * p.float().std() * noise).to(p.dtype))
 
 
 def _push_leaving_out(sync, actor, layer, step):
@@ -55,17 +48,10 @@ def _push_leaving_out(sync, actor, layer, step):
 
 
 def _default_batch(model_path):
-    """The default job's prompts (data: arith, chat template): 8 sums in ArithSource's template."""
+    """The default job's prompts (data: arith, chat template) for `model_path`'s tokenizer."""
     from transformers import AutoTokenizer
 
-    from dsrl.data.arith import ArithSource
-    from dsrl.data.chat import encode_prompts
-    from dsrl.data.types import Prompt
-
-    tok = AutoTokenizer.from_pretrained(str(model_path))
-    sums = ((3, 5), (7, 2), (4, 4), (9, 1), (6, 8), (2, 2), (8, 5), (1, 7))
-    return encode_prompts(tok, [Prompt([{"role": "user", "content": ArithSource.template.format(expr=f"{a} + {b}")}],
-                                       str(a + b)) for a, b in sums])
+    return default_job_prompts(AutoTokenizer.from_pretrained(str(model_path)))
 
 
 def _sample_check(actor, worker, prompts, step):
@@ -89,14 +75,14 @@ def _stale_layer_is_caught(actor, worker, name, dtype, rel_all, rel_layer, layer
     cfg = dataclasses.replace(RolloutConfig(), dtype=dtype)
     sync = WeightSync(actor, worker, cfg)
     assert sync.tolerance == default_tolerance(dtype)
-    _perturb(actor.module.parameters(), rel_all, 1)  # a trained policy, synced in full
+    perturb_weights(actor.module.parameters(), rel_all, 1)  # a trained policy, synced in full
     good = sync.push(1)["rollout/sync_logprob_diff"]
     good_sum, good_n = _sample_check(actor, worker, prompts, 1)
     sync.check_samples(good_sum, good_n, 1)
     # A correct sync leaves margin: bf16 reads 0.036-0.042 (Intel Xeon with AMX, AMD EPYC with
     # AVX-512 BF16) against 0.12.
     assert good <= sync.tolerance / 2, good
-    _perturb(actor.module.model.layers[layer].parameters(), rel_layer, 2)
+    perturb_weights(actor.module.model.layers[layer].parameters(), rel_layer, 2)
     with pytest.raises(WeightSyncError, match=re.escape(name) + r": mean \|log-prob diff\| .*rollout\.sync_tolerance="):
         _push_leaving_out(sync, actor, layer, 2)
     stale_sum, stale_n = _sample_check(actor, worker, prompts, 2)
