@@ -12,12 +12,11 @@ for 1 and 2 engines, against the model's bytes and the machine's memcpy of those
 (`rollout/sync_logprob_diff`), the evidence for rollout.sync_tolerance's defaults.
 
 Then, one engine, side by side (ABBA): the engine's own weight reload (vLLM `reload_weights` from
-the safetensors file, already in the page cache), the sync without its check (pipelined: the
-engine loads each bucket while the next is packed; and sequential, the push before that: every
-bucket packed, then loaded), and the probe check alone; with the greedy refresh (every PROBE_REFRESH-th probe) and the train step's check of
+the safetensors file, already in the page cache), the sync without its check (every bucket
+staged, then loaded: dsrl.rollout.shm_transport.stage_then_load), and the probe check alone; with the greedy refresh (every PROBE_REFRESH-th probe) and the train step's check of
 its samples (the reduction over a default batch's sampled tokens, and `check_samples`), the sync +
-check per push under the probe on every push (rollout.sync_probe_every=1, the default) and under
-auto (null: the probe every AUTO_PROBE_EVERY-th push, the train step's check between), as multiples
+check per push under the probe on every push (rollout.sync_probe_every=1) and under
+auto (null, the default: the probe every AUTO_PROBE_EVERY-th push, the train step's check between), as multiples
 of the engine's own reload.
 
     make bench-sync [ARGS="bench.rounds=3 bench.model=smollm2 bench.dtypes=float32,bfloat16 bench.engines=1,2"]
@@ -48,33 +47,29 @@ def file_push(actor, workers, folder: str) -> None:
 
 class Engines:
     """Several VLLMWorkers fed from ONE shared-memory staging: the buckets are packed once and
-    each engine loads them (what a multi-engine worker on one machine does). `pipelined` (what
-    the rollout workers do): each bucket is loaded while the next is packed
-    (dsrl.rollout.shm_transport.stage_and_load); False: the push before that, every bucket
-    packed first, then loaded."""
+    each engine loads them (what a multi-engine worker on one machine does), staged to the end,
+    then loaded bucket by bucket (dsrl.rollout.shm_transport.stage_then_load, as the rollout
+    workers push)."""
 
-    def __init__(self, workers, name="bench engines", pipelined=True):
+    def __init__(self, workers, name="bench engines"):
         from dsrl.rollout.shm_transport import ShmStaging
 
-        self.workers, self.name, self.staging, self.pipelined = workers, name, ShmStaging(), pipelined
-        self.load_seconds = []  # engine calls of each push (sequential: the rest is the trainer's export + pack)
+        self.workers, self.name, self.staging = workers, name, ShmStaging()
+        self.load_seconds = []  # engine calls of each push (the rest is the trainer's export + pack)
 
     def bucket_allocator(self):
         return self.staging.alloc
 
     def push_weights(self, buckets, step):
-        from dsrl.rollout.shm_transport import stage_and_load
+        from dsrl.rollout.shm_transport import stage_then_load
 
         busy = []
-        if self.pipelined:
-            def load(ref, first):
-                busy.extend(w.load_shared_bucket(ref, first) for w in self.workers)
 
-            stage_and_load(self.staging, buckets, load,
-                           lambda: busy.extend(w.finish_shared_load() for w in self.workers), name=self.name)
-        else:
-            refs = self.staging.stage(buckets)
-            busy.extend(w.load_shared_weights(refs) for w in self.workers)
+        def load(ref, first):
+            busy.extend(w.load_shared_bucket(ref, first) for w in self.workers)
+
+        stage_then_load(self.staging, buckets, load, lambda: busy.extend(w.finish_shared_load() for w in self.workers),
+                        name=self.name)
         self.load_seconds.append(sum(busy))
 
     def probe_logprobs(self, tokens):
@@ -115,8 +110,7 @@ def sample_check_seconds(sync, reps: int = 20) -> float:
 
 
 def check_costs(actor, worker, folder: str, dtype: str, bucket_mb: float, rounds: int) -> dict:
-    """One engine: its own reload, the sync without its check (pipelined, and sequential as
-    before) and the probe check alone, ABBA per round; the greedy refresh and the train step's
+    """One engine: its own reload, the sync without its check and the probe check alone, ABBA per round; the greedy refresh and the train step's
     sample check (medians, seconds)."""
     from dsrl.config.schema import RolloutConfig
     from dsrl.rollout.weight_sync import PROBE_PREFIX, WeightSync, trainer_greedy_probe
@@ -129,12 +123,8 @@ def check_costs(actor, worker, folder: str, dtype: str, bucket_mb: float, rounds
         file_push(actor, [worker], folder)  # the file the engine's own reload reads
         sync.probe = False
 
-        def push(pipelined):
-            engines.pipelined = pipelined
-            sync.push(0)
-
-        steps = {"reload": lambda: worker.reload_folder(folder), "sync": lambda: push(True),
-                 "sequential": lambda: push(False), "check": lambda: sync.check(0, count=False)}
+        steps = {"reload": lambda: worker.reload_folder(folder), "sync": lambda: sync.push(0),
+                 "check": lambda: sync.check(0, count=False)}
         times = {k: [] for k in steps}
         for _ in range(rounds):
             order = list(steps)
@@ -152,14 +142,14 @@ def check_costs(actor, worker, folder: str, dtype: str, bucket_mb: float, rounds
         engines.close()
 
 
-def per_push(c: dict, every: int, sync: str = "sync") -> float:
-    """Sync (`c[sync]`) + check per push when the probe runs on every `every`-th push (the greedy
+def per_push(c: dict, every: int) -> float:
+    """Sync + check per push when the probe runs on every `every`-th push (the greedy
     refresh on every PROBE_REFRESH-th probe) and, for every > 1, the train step checks the pushes
     between."""
     from dsrl.rollout.weight_sync import PROBE_REFRESH
 
     probe = c["check"] + c["refresh"] / PROBE_REFRESH
-    return c[sync] + probe / every + (c["samples"] * (every - 1) / every if every > 1 else 0.0)
+    return c["sync"] + probe / every + (c["samples"] * (every - 1) / every if every > 1 else 0.0)
 
 
 def run_dtype(model_path: str, dtype: str, rounds: int, bucket_mb: float, engines=(1, 2)) -> dict:
@@ -239,6 +229,7 @@ def main(argv) -> int:
     model = str(smollm2_path() if opts["bench.model"] == "smollm2" else ensure_tiny_model())
     print(hardware.describe(hardware.probe(1)))
     print(f"model {model}, bucket {opts['bench.bucket_mb']} MiB, {opts['bench.rounds']} ABBA rounds")
+    from dsrl.rollout.weight_sync import PROBE_REFRESH
     from dsrl.validation.validate import AUTO_PROBE_EVERY
 
     engines = tuple(sorted({int(k) for k in opts["bench.engines"].split(",")}))
@@ -255,16 +246,15 @@ def main(argv) -> int:
         c = res["costs"]
         reload = c["reload"]
         print(f"[{dtype}] 1 engine, medians of {2 * int(opts['bench.rounds'])} (ABBA): the engine's own reload "
-              f"{reload:.3f} s; sync {c['sync']:.3f} s ({c['sync'] / reload:.2f}x; packed first, then loaded: "
-              f"{c['sequential']:.3f} s, {c['sequential'] / reload:.2f}x); probe check {c['check']:.3f} s; "
-              f"greedy refresh {c['refresh']:.3f} s (every 16th probe); the train step's sample check "
+              f"{reload:.3f} s; sync {c['sync']:.3f} s ({c['sync'] / reload:.2f}x); probe check {c['check']:.3f} s; "
+              f"greedy refresh {c['refresh']:.3f} s (every {PROBE_REFRESH}-th probe); the train step's sample check "
               f"{c['samples'] * 1e3:.3f} ms")
         for every, what in ((1, "probe on every sync (rollout.sync_probe_every=1)"),
-                            (AUTO_PROBE_EVERY, f"auto: probe every {AUTO_PROBE_EVERY}th sync, the train step's "
+                            (AUTO_PROBE_EVERY, f"auto: the probe on every {AUTO_PROBE_EVERY}-th sync, the train step's "
                                                "check between (sync_probe_every=null)")):
-            total, before = per_push(c, every), per_push(c, every, "sequential")
+            total = per_push(c, every)
             print(f"[{dtype}] sync + check per push, {what}: {total:.3f} s = {total / reload:.2f}x the engine's own "
-                  f"reload (goal <= 1.3x); packed first, then loaded: {before:.3f} s = {before / reload:.2f}x")
+                  f"reload (goal <= 1.3x)")
     return 0
 
 

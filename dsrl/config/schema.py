@@ -137,7 +137,7 @@ class RolloutConfig:
     # trainer vs engine log-probs of the sampled tokens, held to sync_tolerance before the optimizer
     # step; WeightSync.check_samples, free: the training forward computes both). Only where those are
     # the same policy's log-probs: rollout.top_p=1, algo.off_policy_steps=0 and one optimizer step per
-    # rollout (otherwise a ConfigError). null (the default) = auto: 16 where that holds, else 1.
+    # rollout (otherwise a ConfigError). null (the default) = auto: 32 where that holds, else 1.
     sync_probe_every: Optional[int] = None
     # Largest allowed sync_logprob_diff (nats) before the run stops naming the engine; null = by
     # the engine's dtype (dsrl.rollout.weight_sync.DEFAULT_TOLERANCE: float32 1e-3, bfloat16 0.12).

@@ -75,8 +75,8 @@ def load_bucket(worker, data: torch.Tensor, metas: Sequence[TensorMeta], first: 
 def finish_reload(worker) -> int:
     """Close the sync's layerwise-reload session (after its last bucket): layers that got nothing
     keep their old tensors, the tied head is re-tied, the runner's derived caches are dropped.
-    Also a collective_rpc target of its own (a pipelined sync learns it is done only after its
-    last bucket was sent). Returns 1 if the head was re-tied."""
+    Also a collective_rpc target of its own (a sync loaded bucket by bucket closes it after the
+    last one). Returns 1 if the head was re-tied."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 

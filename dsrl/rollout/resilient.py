@@ -61,8 +61,7 @@ class ResilientWorker:
     def push_weights(self, weights, step: int) -> float:
         """Weights (a state dict or Buckets, dsrl.rollout.buckets) into the engine. A worker that
         loads from shared memory (`shared_memory_sync`) gets them staged here, in segments this
-        wrapper owns, each bucket loaded while the next is packed (`_push_shared`): they outlive a
-        rebuilt engine, which loads them back (no disk write), and a retried load reads the same
+        wrapper owns, then loaded (`_push_shared`): they outlive a rebuilt engine, which loads them back (no disk write), and a retried load reads the same
         bytes. Other workers get the call as is."""
         if self._shm_worker():
             seconds = self._push_shared(weights)
@@ -76,14 +75,13 @@ class ResilientWorker:
         return seconds
 
     def _push_shared(self, weights) -> float:
-        """The pipelined shared-memory push (dsrl.rollout.shm_transport.stage_and_load), each
-        engine call under this wrapper's deadline and liveness checks. An engine that dies or
-        hangs mid-push: the rest is staged all the same (a ZeRO-3 export runs to the end), then
-        the engine is rebuilt and loads the whole staged sync. Any error that leaves this call
+        """The shared-memory push (dsrl.rollout.shm_transport.stage_then_load: staged to the end,
+        then loaded), each engine call under this wrapper's deadline and liveness checks. An
+        engine that dies or hangs mid-load is rebuilt and loads the whole staged sync. Any error that leaves this call
         (another error of a load, restarts exhausted, the export's own) removes the staged files:
         the engine holds a half-loaded sync that nothing could load back."""
         from dsrl.rollout.buckets import pack_buckets
-        from dsrl.rollout.shm_transport import BucketLoadError, stage_and_load
+        from dsrl.rollout.shm_transport import BucketLoadError, stage_then_load
         from dsrl.rollout.vllm_engine import DEFAULT_BUCKET_BYTES
 
         t0 = time.perf_counter()
@@ -92,9 +90,9 @@ class ResilientWorker:
             weights = pack_buckets(weights.items(), DEFAULT_BUCKET_BYTES, alloc=staging.alloc)
         try:
             try:
-                stage_and_load(staging, weights, lambda ref, first: self._attempt(self.worker.load_shared_bucket,
-                                                                                  ref, first),
-                               lambda: self._attempt(self.worker.finish_shared_load), name=self.name)
+                stage_then_load(staging, weights, lambda ref, first: self._attempt(self.worker.load_shared_bucket,
+                                                                                   ref, first),
+                                lambda: self._attempt(self.worker.finish_shared_load), name=self.name)
             except BucketLoadError as e:
                 if not isinstance(e.__cause__, _EngineFailed):
                     raise

@@ -9,12 +9,12 @@ without any per-step disk write. Files are named `dsrl-sync-<pid>-<n>-<bucket>`;
 run at exit) removes them; a process killed before that leaves its files behind, and the next
 ShmStaging on the machine removes the files of processes that no longer run.
 
-Pipelined (`stage_and_load`): the engine loads bucket i while the trainer packs bucket i+1 into
-the next file (each bucket has a file of its own, so nothing is overwritten while it is read).
-One loader thread makes the engine calls, in order (one per bucket, then one that closes the
-engine's reload session, dsrl.rollout.engine_load.finish_reload); the caller's thread packs. The
-buckets are consumed to the end whatever happens to the loads (under ZeRO-3 the export is
-collective), and a failed load is raised after that, naming the bucket and the engine."""
+Staged, then loaded (`stage_then_load`): every bucket is packed into its file first (the export
+runs to the end: under ZeRO-3 it is collective), then the engine loads them in order, one call per
+bucket and one that closes its reload session (dsrl.rollout.engine_load.finish_reload); a failed
+load names the bucket and the engine. Loading each bucket while the next is packed (a loader
+thread) was tried and measured slower on CPU in every run (`make bench-sync`, docs/benchmarks.md):
+the engine's loads are ~93% of a sync, and the thread only competed with them for the cores."""
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +22,6 @@ import contextlib
 import atexit
 import itertools
 import os
-import queue
-import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, List, Optional
 
@@ -137,67 +135,35 @@ class BucketLoadError(RuntimeError):
         self.index, self.count = index, count
 
 
-_DONE = object()
-
-
-def stage_and_load(staging: ShmStaging, buckets: Iterable[Bucket], load: Callable[[ShmBucketRef, bool], object],
-                   finish: Callable[[], object], *, name: str = "rollout engine") -> List[ShmBucketRef]:
-    """Stage `buckets` (packed with `staging.alloc`) and load each into the engine as soon as it
-    is staged: `load(ref, first)` for every bucket in order, then `finish()`, from one loader
-    thread while this thread packs the next bucket (module docstring). Returns the refs (the
-    staging's last sync). After a failed load the remaining buckets are still packed and staged
-    (not loaded), then BucketLoadError names the bucket and `name`; the staging then holds the
-    whole new sync, for a rebuilt engine. A failure of `buckets` itself (the export) stops the
-    loads, removes every staged file (a half-new sync is of no use) and is raised as is. Either
-    way the engine's reload session is closed (`finish`) once it was opened."""
-    todo: queue.Queue = queue.Queue()
-    failed: list = []  # (index, ref or None, exception) of the first failed call
-
-    def loader():
-        while True:
-            item = todo.get()
-            if item is None:  # nothing was sent
-                return
-            index, ref = (item[0], None) if item[1] is _DONE else item
-            if ref is None:
-                # The engine's reload session is closed even after a failed load, so that the
-                # next sync starts a new one (a layer left half-loaded is repaired by it).
-                try:
-                    finish()
-                except BaseException as e:
-                    if not failed:
-                        failed.append((index, None, e))
-                return
-            if not failed:
-                try:
-                    load(ref, index == 0)
-                except BaseException as e:  # raised by the caller's thread below
-                    failed.append((index, ref, e))
-
-    def stop(count: int) -> None:
-        todo.put((count, _DONE) if count else None)  # no bucket sent: no session to close
-        thread.join()
-
-    thread = threading.Thread(target=loader, name="dsrl-weight-load", daemon=True)
-    thread.start()
-    count = 0
+def stage_then_load(staging: ShmStaging, buckets: Iterable[Bucket], load: Callable[[ShmBucketRef, bool], object],
+                    finish: Callable[[], object], *, name: str = "rollout engine") -> List[ShmBucketRef]:
+    """Stage `buckets` (packed with `staging.alloc`) to the end, then load them into the engine:
+    `load(ref, first)` for every bucket in order, then `finish()` (module docstring). Returns the
+    refs (the staging's last sync). A failure of `buckets` itself (the export) removes every staged
+    file and is raised as is; the engine was not called and keeps its weights. A failed load stops
+    the loads, closes the engine's reload session (`finish`) and raises BucketLoadError naming the
+    bucket and `name`; the staging then holds the whole new sync, for a rebuilt engine."""
     try:
-        for ref in staging.staged(buckets):
-            todo.put((count, ref))
-            count += 1
+        refs = staging.stage(buckets)
     except BaseException:
-        failed.append(None)  # no more loads; the session is still closed
-        stop(count)
-        staging.discard()
+        staging.discard()  # a half-new sync is of no use
         raise
-    stop(count)
-    if failed:
-        index, ref, e = failed[0]
-        what = (f"closing the reload session after the last of {count} weight buckets" if ref is None else
-                f"loading weight bucket {index} of {count} ({ref.path}: {len(ref.rows)} tensors, "
-                f"{ref.rows[0][0]} .. {ref.rows[-1][0]})")
-        raise BucketLoadError(f"{name}: {what} failed: {type(e).__name__}: {e}", index, count) from e
-    return staging.refs
+    for index, ref in enumerate(refs):
+        try:
+            load(ref, index == 0)
+        except BaseException as e:
+            with contextlib.suppress(Exception):
+                finish()  # the next sync opens a new session; a layer left half-loaded is repaired by it
+            raise BucketLoadError(f"{name}: loading weight bucket {index} of {len(refs)} ({ref.path}: "
+                                  f"{len(ref.rows)} tensors, {ref.rows[0][0]} .. {ref.rows[-1][0]}) failed: "
+                                  f"{type(e).__name__}: {e}", index, len(refs)) from e
+    if refs:
+        try:
+            finish()
+        except BaseException as e:
+            raise BucketLoadError(f"{name}: closing the reload session after the last of {len(refs)} weight buckets "
+                                  f"failed: {type(e).__name__}: {e}", len(refs), len(refs)) from e
+    return refs
 
 
 def leftover_segments(pid: Optional[int] = None, directory: str = SHM_DIR) -> List[str]:

@@ -5,8 +5,8 @@ dsrl.rollout.vllm_worker.VLLMWorker.
 
 Weight push (dsrl.rollout.weight_sync): the trainer's weights arrive as buckets (dsrl.rollout.buckets).
 On CPU they are staged in shared memory by the worker (dsrl.rollout.shm_transport) and loaded here with
-one RPC per bucket (`load_shared_bucket` as each is staged, then `finish_shared_load`; a rebuilt
-engine: `load_shared_weights`, all at once; dsrl.rollout.engine_load). On CUDA a colocated engine gets
+one RPC per bucket once all are staged (`load_shared_bucket`, then `finish_shared_load`; a rebuilt
+engine: `load_shared_weights`, all in one call; dsrl.rollout.engine_load). On CUDA a colocated engine gets
 them through CUDA IPC handles (`push_ipc`, dsrl.rollout.cuda_ipc; not yet run on a GPU).
 `probe_logprobs` scores fixed token sequences so the trainer can check the sync
 (`rollout/sync_logprob_diff`).
@@ -292,8 +292,8 @@ class VLLMEngine:
         return time.perf_counter() - t0
 
     def load_shared_bucket(self, ref, first: bool) -> float:
-        """One staged bucket of a pipelined sync (`first` opens the reload session, which
-        `finish_shared_load` closes once the trainer has sent the last one). Returns seconds."""
+        """One staged bucket of a sync (`first` opens the reload session, which
+        `finish_shared_load` closes after the last one). Returns seconds."""
         from dsrl.rollout.engine_load import load_shm_bucket
 
         t0 = time.perf_counter()
@@ -301,7 +301,7 @@ class VLLMEngine:
         return time.perf_counter() - t0
 
     def finish_shared_load(self) -> float:
-        """Close a pipelined sync's reload session; the prefix cache is dropped. Returns seconds."""
+        """Close a sync's reload session; the prefix cache is dropped. Returns seconds."""
         from dsrl.rollout.engine_load import finish_reload
 
         t0 = time.perf_counter()

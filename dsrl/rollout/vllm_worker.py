@@ -123,8 +123,8 @@ class VLLMWorker:
     def push_weights(self, weights, step: int) -> float:
         """New weights into the engine: a state dict ({HF name: tensor}) or an iterable of Buckets
         (dsrl.rollout.buckets; a lazy iterator is consumed to the end). CPU: staged in this
-        worker's shared memory, the engine loading each bucket while the next is packed
-        (dsrl.rollout.shm_transport.stage_and_load); CUDA: IPC handles (dsrl.rollout.cuda_ipc).
+        worker's shared memory to the end, then loaded bucket by bucket
+        (dsrl.rollout.shm_transport.stage_then_load); CUDA: IPC handles (dsrl.rollout.cuda_ipc).
         Returns seconds."""
         from dsrl.rollout.buckets import pack_buckets
 
@@ -132,14 +132,14 @@ class VLLMWorker:
         if not self.shared_memory_sync:
             self._engine.call("push_ipc", weights)
             return time.perf_counter() - t0
-        from dsrl.rollout.shm_transport import stage_and_load
+        from dsrl.rollout.shm_transport import stage_then_load
 
         staging = self._own_staging()
         if isinstance(weights, Mapping):
             weights = pack_buckets(weights.items(), DEFAULT_BUCKET_BYTES, alloc=staging.alloc)
         try:
-            stage_and_load(staging, weights, self.load_shared_bucket, self.finish_shared_load,
-                           name=f"vLLM engine ({self.model_path})")
+            stage_then_load(staging, weights, self.load_shared_bucket, self.finish_shared_load,
+                            name=f"vLLM engine ({self.model_path})")
         except BaseException:
             staging.discard()  # the engine holds a half-loaded sync: nothing here to reload it from
             raise
@@ -150,11 +150,11 @@ class VLLMWorker:
         return self._engine.call("load_shared_weights", list(refs))
 
     def load_shared_bucket(self, ref, first: bool) -> float:
-        """One bucket of a pipelined sync (dsrl.rollout.shm_transport.stage_and_load). Returns seconds."""
+        """One bucket of a staged sync (dsrl.rollout.shm_transport.stage_then_load). Returns seconds."""
         return self._engine.call("load_shared_bucket", ref, bool(first))
 
     def finish_shared_load(self) -> float:
-        """Close a pipelined sync's reload session (after its last bucket). Returns seconds."""
+        """Close a staged sync's reload session (after its last bucket). Returns seconds."""
         return self._engine.call("finish_shared_load")
 
     def reload_pushed_weights(self) -> bool:

@@ -9,7 +9,7 @@
 3. `worker.push_weights(buckets, step)`: one call per bucket per engine;
 4. probe (`rollout.sync_probe`, on every `rollout.sync_probe_every`-th push, the first one
    included; the next train step checks the pushes between on its sampled tokens, `check_samples`;
-   the default, null, is every 16th where that check applies, else every push:
+   the default, null, is every 32nd where that check applies, else every push:
    dsrl.validation.validate.probe_every):
    the trainer extends fixed random prefixes greedily with its current weights
    (`trainer_greedy_probe`), the engine(s) score the same sequences (`worker.probe_logprobs`), and
@@ -53,7 +53,9 @@ tests/rollout/test_weight_sync_stale.py). In plain torch (bench/bench_sync_sensi
 1.6-2.5x the probe's value for the same stale layer in float32, and in bfloat16 (tiny model) it
 separates a 20%-stale layer 45x over its floor where the probe does 13x; the bf16 case on SmolLM2 with
 vLLM (tests/rollout/test_weight_sync_stale.py) needs a CPU with native bf16. It is the default between
-probes: rollout.sync_probe_every=null (auto, 16 where the config allows it).
+probes: rollout.sync_probe_every=null (auto, 32 where the config allows it). On 2 AVX2 cores
+(SmolLM2 fp32, `make bench-sync`) the probe costs ~4x the engine's own weight reload and the sync
+itself 1.1x; with auto, sync + check reads 1.22-1.26x the reload (5.5-5.8x with the probe on every push).
 
 Tolerance (`rollout.sync_tolerance: null` = by the engine's dtype, `default_tolerance`):
 - float32 1e-3 (a correct sync: 2e-7 on the tiny Llama, 2e-5 on SmolLM2);
@@ -211,8 +213,8 @@ class WeightSync:
         if stream or alloc is not None:
             # The buckets stream. CUDA IPC into this rank's own engine: one or two alive at a time,
             # never a second full copy of the model on the GPU (the bound: dsrl.rollout.cuda_ipc).
-            # Shared-memory staging: the engine loads each bucket while the next is packed
-            # (dsrl.rollout.shm_transport.stage_and_load, which consumes them to the end).
+            # Shared-memory staging: packed straight into the staging's files, then loaded
+            # (dsrl.rollout.shm_transport.stage_then_load, which consumes them to the end first).
             counted = _Counted(packed)
             self.worker.push_weights(counted, step)
             nbytes, count = counted.nbytes, counted.count

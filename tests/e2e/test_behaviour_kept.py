@@ -79,7 +79,7 @@ def _assert_same_run(ref: Path, now: Path) -> None:
     a, b = untimed_metrics(ref), untimed_metrics(now)
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
-        # the reference probed every push; now the probe runs on the first and every 16th
+        # the reference probed every push; now the probe runs on the first and every 32nd
         # (rollout.sync_probe_every=null, auto) and reads only: the other readings are not compared
         if PROBE in ra and PROBE not in rb:
             del ra[PROBE]

@@ -55,7 +55,7 @@ def test_single_process_zero3_run_with_a_kl_loss_writes_everything(tmp_path, tin
         for k in REQUIRED_KEYS:
             assert k in r, (k, r)
         # The sync's own probe: the engine serves the trainer's weights after every sync.
-        # (the probe on the first push and every 16th: rollout.sync_probe_every auto; the train step checks the rest)
+        # (the probe on the first push and every 32nd: rollout.sync_probe_every auto; the train step checks the rest)
         assert r.get("rollout/sync_logprob_diff", 0.0) < 1e-4 and r["rollout/sync_buckets"] >= 1, r
         assert r["timing/old_logprobs"] == 0.0 and r["timing/ref_logprobs"] > 0  # reuse skipped the old pass
         # Weight push verified: the trainer and vLLM agree on the log-probs of the new samples.

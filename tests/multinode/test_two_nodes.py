@@ -189,7 +189,7 @@ def _check_run_folder(two_nodes, a: Path, out0: str, steps=(1, 2)) -> None:
         # Summed over both ranks: one microbatch each (8 of the 16 samples).
         assert r["train/microbatches"] == 2.0 and r["train/trained_fraction"] == 1.0, r
         assert r["rollout/response_length"] == 8.0
-        # ZeRO-3's gathered weights reached both nodes' samplers (the probe: first push, then every 16th)
+        # ZeRO-3's gathered weights reached both nodes' samplers (the probe: first push, then every 32nd)
         assert r.get("rollout/sync_logprob_diff", 0.0) < 1e-4
     assert not (node1 / "metrics.jsonl").exists() and (node1 / "run.rank1.log").is_file()
     for step in steps:

@@ -1,19 +1,18 @@
 """Weight buckets (dsrl.rollout.buckets) and their shared-memory staging
-(dsrl.rollout.shm_transport): boundaries and round trips, bit for bit; the pipelined staging
-(each bucket loaded while the next is packed) and its failures."""
+(dsrl.rollout.shm_transport): boundaries and round trips, bit for bit; staging then
+loading (every bucket staged before the first load) and its failures."""
 from __future__ import annotations
 
 import os
 import pickle
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
 
 from dsrl.rollout.buckets import ALIGN, Bucket, pack_buckets, unpack
-from dsrl.rollout.shm_transport import SHM_DIR, BucketLoadError, ShmStaging, leftover_segments, stage_and_load
+from dsrl.rollout.shm_transport import SHM_DIR, BucketLoadError, ShmStaging, leftover_segments, stage_then_load
 
 
 def _tensors():
@@ -131,30 +130,27 @@ def _mapped(ref):
     return torch.from_file(ref.path, shared=False, size=ref.nbytes, dtype=torch.uint8).clone()
 
 
-def test_stage_and_load_loads_each_bucket_while_the_next_is_packed():
-    """The loader gets bucket i before bucket i+1 is packed (it runs while the trainer packs),
-    in order, the first flagged, then one finish; what it reads is the bucket's bytes."""
+def test_stage_then_load_stages_every_bucket_then_loads_them_in_order():
+    """Every bucket is packed and staged before the first load (the export runs to the end), then
+    the loader gets them in order, the first flagged, then one finish; what it reads is each
+    bucket's bytes."""
     tensors = _tensors()
     staging = ShmStaging()
     calls, packed = [], []
-    loaded = threading.Event()
 
     def load(ref, first):
         calls.append((ref.path, first, len(packed), _mapped(ref)))
-        loaded.set()
 
     def export():
         for i, b in enumerate(pack_buckets(tensors, 1024, alloc=staging.alloc)):
             packed.append(i)
             yield b
-            if i == 0:  # bucket 1 is not packed until the engine has loaded bucket 0
-                assert loaded.wait(10)
 
     try:
-        refs = stage_and_load(staging, export(), load, lambda: calls.append("finish"))
+        refs = stage_then_load(staging, export(), load, lambda: calls.append("finish"))
         assert refs == staging.refs and len(refs) == 3
-        assert [c[:2] for c in calls[:-1]] == [(refs[0].path, True), (refs[1].path, False), (refs[2].path, False)]
-        assert calls[0][2] == 1  # bucket 0 was loaded before bucket 1 was packed
+        assert [c[:3] for c in calls[:-1]] == [(refs[0].path, True, 3), (refs[1].path, False, 3),
+                                               (refs[2].path, False, 3)]
         assert calls[-1] == "finish"
         want = list(pack_buckets(tensors, 1024))
         _assert_round_trip([Bucket(c[3], b.metas) for c, b in zip(calls, want)], tensors)
@@ -162,7 +158,7 @@ def test_stage_and_load_loads_each_bucket_while_the_next_is_packed():
         staging.close()
 
 
-def test_stage_and_load_failures_name_the_bucket_and_the_export_runs_to_the_end():
+def test_stage_then_load_failures_name_the_bucket_and_the_export_runs_to_the_end():
     tensors = _tensors()
     staging = ShmStaging()
     drawn, finished = [], []
@@ -179,22 +175,23 @@ def test_stage_and_load_failures_name_the_bucket_and_the_export_runs_to_the_end(
     try:
         with pytest.raises(BucketLoadError, match=r"test engine: loading weight bucket 1 of 3 \(/dev/shm/dsrl-sync-"
                                                   r".*1 tensors, c\.big \.\. c\.big\) failed: ValueError: no parameter") as e:
-            stage_and_load(staging, pack_buckets(export(), 1024, alloc=staging.alloc), load,
-                           lambda: finished.append(1), name="test engine")
+            stage_then_load(staging, pack_buckets(export(), 1024, alloc=staging.alloc), load,
+                            lambda: finished.append(1), name="test engine")
         assert (e.value.index, e.value.count) == (1, 3)
         # Every tensor was exported and staged (collective under ZeRO-3), the session closed.
         assert drawn == [n for n, _ in tensors] and len(staging.refs) == 3 and finished == [1]
 
-        # A failing export: raised as is, no file left, the session still closed.
+        # A failing export: raised as is, no file left, the engine never called (it keeps its weights).
         def broken():
             yield from tensors[:3]
             raise RuntimeError("gather failed")
 
         finished.clear()
+        loads = []
         with pytest.raises(RuntimeError, match="gather failed"):
-            stage_and_load(staging, pack_buckets(broken(), 1024, alloc=staging.alloc), lambda r, f: None,
-                           lambda: finished.append(1))
-        assert staging.paths == [] and staging.refs == [] and finished == [1]
+            stage_then_load(staging, pack_buckets(broken(), 1024, alloc=staging.alloc), lambda r, f: loads.append(r),
+                            lambda: finished.append(1))
+        assert staging.paths == [] and staging.refs == [] and finished == [] and loads == []
         assert [n for n in leftover_segments() if n.startswith(staging.tag + "-")] == []
     finally:
         staging.close()

@@ -1,7 +1,7 @@
 """Weight sync into a REAL vLLM engine (tiny Llama, float32) through shared memory: after the
 trainer's weights change, a sync makes vLLM's log-probs match the trainer's and an independent
-HF model's; small buckets split layers across engine calls (one layerwise-reload session), each
-loaded while the next is packed, with exactly the result of the engine's own reload; a sync that
+HF model's; small buckets split layers across engine calls (one layerwise-reload session), staged
+then loaded, with exactly the result of the engine's own reload; a sync that
 misses a bucket trips the tolerance error naming the engine; a bucket the engine fails to load is
 named with the engine, and no staged file is left; the staged segments stay until close and
 /dev/shm holds none of them after. (A rebuilt engine reloading them:
@@ -139,10 +139,10 @@ def test_probe_prefixes_are_fixed_and_the_continuation_is_the_trainers_greedy_ch
     assert sync.probe_sequences() == trainer_greedy_probe(actor, [p[:4] for p in sync.prefixes]) != first
 
 
-def test_pipelined_push_gives_the_engine_exactly_what_its_own_reload_of_the_trainers_weights_gives(actor, rw,
-                                                                                                 tmp_path):
-    """The push streams many small buckets, each loaded while the next is packed
-    (dsrl.rollout.shm_transport.stage_and_load); afterwards the engine's log-probs equal, bit for
+def test_bucketed_push_gives_the_engine_exactly_what_its_own_reload_of_the_trainers_weights_gives(actor, rw,
+                                                                                                tmp_path):
+    """The push stages many small buckets, then loads them one call each
+    (dsrl.rollout.shm_transport.stage_then_load); afterwards the engine's log-probs equal, bit for
     bit, those after vLLM's own reload of a safetensors file of the trainer's weights."""
     from safetensors.torch import save_file
 
@@ -158,7 +158,7 @@ def test_pipelined_push_gives_the_engine_exactly_what_its_own_reload_of_the_trai
 
 
 def test_a_failed_bucket_load_names_the_bucket_and_the_engine_and_leaves_no_segment(actor, rw):
-    """An engine error on bucket 3 of a pipelined push: the export still runs to the end (under
+    """An engine error on bucket 3 of a push: the export has run to the end (under
     ZeRO-3 it is collective), the error names the engine and the bucket, and no staged file is
     left (the engine holds a half-loaded sync nothing could load back). The next push repairs it."""
     from dsrl.rollout.buckets import Bucket

@@ -116,16 +116,16 @@ def test_schedule_is_refused_where_the_step_cannot_check_the_sync():
         validate(cfg)
 
 
-def test_auto_probes_every_16th_push_where_the_step_checks_the_rest():
-    """rollout.sync_probe_every=null (auto): 16 where the train step can check the pushes between on
+def test_auto_probes_every_32nd_push_where_the_step_checks_the_rest():
+    """rollout.sync_probe_every=null (auto): 32 where the train step can check the pushes between on
     its samples, else 1 (the probe after every sync, 0.5-0.8 s of a ~6 s default step); an explicit
     value stands. WeightSync without the resolved value probes every push."""
     from dsrl.validation.validate import AUTO_PROBE_EVERY, probe_every
 
-    assert AUTO_PROBE_EVERY == 16
+    assert AUTO_PROBE_EVERY == 32
     cfg = _cfg(sync_probe_every=None)
     validate(cfg)
-    assert probe_every(cfg) == 16
+    assert probe_every(cfg) == 32
     assert probe_every(_cfg(sync_probe_every=None, top_p=0.9)) == 1
     assert probe_every(_cfg(sync_probe_every=1)) == 1 and probe_every(_cfg(sync_probe_every=4)) == 4
     off = _cfg(sync_probe_every=None)
@@ -134,7 +134,7 @@ def test_auto_probes_every_16th_push_where_the_step_checks_the_rest():
     validate(off)  # null is never a schedule the config cannot check
     sync = WeightSync(_Actor(), _Worker(), dataclasses.replace(RolloutConfig(), dtype="float32"),
                       probe_every=probe_every(cfg))
-    assert sync.probe_every == 16 and sync.checks_samples
+    assert sync.probe_every == 32 and sync.checks_samples
     plain = dataclasses.replace(RolloutConfig(), dtype="float32", sync_probe_every=None)
     assert WeightSync(_Actor(), _Worker(), plain).probe_every == 1
 
