@@ -13,11 +13,12 @@ for 1 and 2 engines, against the model's bytes and the machine's memcpy of those
 
 Then, one engine, side by side (ABBA): the engine's own weight reload (vLLM `reload_weights` from
 the safetensors file, already in the page cache), the sync without its check (every bucket
-staged, then loaded: dsrl.rollout.shm_transport.stage_then_load), and the probe check alone; with the greedy refresh (every PROBE_REFRESH-th probe) and the train step's check of
-its samples (the reduction over a default batch's sampled tokens, and `check_samples`), the sync +
-check per push under the probe on every push (rollout.sync_probe_every=1) and under
-auto (null, the default: the probe every AUTO_PROBE_EVERY-th push, the train step's check between), as multiples
-of the engine's own reload.
+staged, then loaded: dsrl.rollout.shm_transport.stage_then_load), and the probe check alone; with
+the greedy refresh (every PROBE_REFRESH-th probe) and the train step's check of its samples (the
+reduction over a default batch's sampled tokens, and `check_samples`), the sync + check per push
+under the probe on every push (rollout.sync_probe_every=1) and under auto (null, the default: the
+probe every AUTO_PROBE_EVERY-th push, the train step's check between), as multiples of the
+engine's own reload.
 
     make bench-sync [ARGS="bench.rounds=3 bench.model=smollm2 bench.dtypes=float32,bfloat16 bench.engines=1,2"]
 """
@@ -110,8 +111,8 @@ def sample_check_seconds(sync, reps: int = 20) -> float:
 
 
 def check_costs(actor, worker, folder: str, dtype: str, bucket_mb: float, rounds: int) -> dict:
-    """One engine: its own reload, the sync without its check and the probe check alone, ABBA per round; the greedy refresh and the train step's
-    sample check (medians, seconds)."""
+    """One engine: its own reload, the sync without its check and the probe check alone, ABBA per
+    round; the greedy refresh and the train step's sample check (medians, seconds)."""
     from dsrl.config.schema import RolloutConfig
     from dsrl.rollout.weight_sync import PROBE_PREFIX, WeightSync, trainer_greedy_probe
 

@@ -61,8 +61,9 @@ class ResilientWorker:
     def push_weights(self, weights, step: int) -> float:
         """Weights (a state dict or Buckets, dsrl.rollout.buckets) into the engine. A worker that
         loads from shared memory (`shared_memory_sync`) gets them staged here, in segments this
-        wrapper owns, then loaded (`_push_shared`): they outlive a rebuilt engine, which loads them back (no disk write), and a retried load reads the same
-        bytes. Other workers get the call as is."""
+        wrapper owns, then loaded (`_push_shared`): they outlive a rebuilt engine, which loads
+        them back (no disk write), and a retried load reads the same bytes. Other workers get the
+        call as is."""
         if self._shm_worker():
             seconds = self._push_shared(weights)
         else:
@@ -77,9 +78,10 @@ class ResilientWorker:
     def _push_shared(self, weights) -> float:
         """The shared-memory push (dsrl.rollout.shm_transport.stage_then_load: staged to the end,
         then loaded), each engine call under this wrapper's deadline and liveness checks. An
-        engine that dies or hangs mid-load is rebuilt and loads the whole staged sync. Any error that leaves this call
-        (another error of a load, restarts exhausted, the export's own) removes the staged files:
-        the engine holds a half-loaded sync that nothing could load back."""
+        engine that dies or hangs mid-load is rebuilt and loads the whole staged sync. Any error
+        that leaves this call (another error of a load, restarts exhausted, the export's own)
+        removes the staged files: the run stops on it, and no later rebuild may load a sync that
+        never reached the engine whole."""
         from dsrl.rollout.buckets import pack_buckets
         from dsrl.rollout.shm_transport import BucketLoadError, stage_then_load
         from dsrl.rollout.vllm_engine import DEFAULT_BUCKET_BYTES

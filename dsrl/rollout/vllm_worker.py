@@ -141,7 +141,7 @@ class VLLMWorker:
             stage_then_load(staging, weights, self.load_shared_bucket, self.finish_shared_load,
                             name=f"vLLM engine ({self.model_path})")
         except BaseException:
-            staging.discard()  # the engine holds a half-loaded sync: nothing here to reload it from
+            staging.discard()  # a failed load: the engine holds a half-loaded sync, the run stops on this error
             raise
         return time.perf_counter() - t0
 

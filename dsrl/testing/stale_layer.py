@@ -2,7 +2,7 @@
 rollout engine: the vLLM stale-layer test (tests/rollout/test_weight_sync_stale.py, CPU) and the
 GPU smoke's vLLM level (tests/gpu/vllm_smoke.py, bf16 on CUDA) run the same sequence:
 
-1. the trainer's weights move by `rel_all` of each tensor's spread and are pushed in full: the
+1. the trainer's weights move by `rel_all` of each tensor's spread (MOVES) and are pushed in full: the
    probe (`rollout/sync_logprob_diff`) and the train step's check of the default batch's samples
    (`WeightSync.check_samples`) read the correct sync;
 2. decoder layer `layer` moves by `rel_layer` and a push leaves that layer's tensors out (a name
@@ -17,6 +17,12 @@ import dataclasses
 from typing import Optional
 
 import torch
+
+STALE_LAYER = 15  # the decoder layer left out (of SmolLM2's 30; a model with fewer: its last)
+# (rel_all, rel_layer) by dtype: how far the trained policy moved (every tensor) and how far the
+# stale layer moved since, in units of each tensor's spread. bf16: SmolLM2, a 20%-stale layer reads
+# ~0.14 against the 0.12 tolerance; fp32: the tiny Llama, 5% reads ~0.008 against 1e-3.
+MOVES = {"float32": (0.05, 0.05), "bfloat16": (0.01, 0.2)}
 
 
 def push_leaving_out(sync, actor, layer: int, step: int) -> dict:
@@ -99,14 +105,20 @@ class StaleLayerReading:
                 f"tokens); old random-token probe on the stale engine {self.old_probe:.4f}")
 
 
-def read_stale_layer(actor, worker, dtype: str, *, rel_all: float, rel_layer: float, layer: int,
-                     prompts) -> StaleLayerReading:
+def read_stale_layer(actor, worker, dtype: str, model_path) -> StaleLayerReading:
     """Steps 1-3 of the module's docstring on `actor` (ZeRO-0: its parameters are whole) and
-    `worker` with the default rollout config in `dtype`."""
-    from dsrl.config.schema import RolloutConfig
-    from dsrl.rollout.weight_sync import WeightSync, WeightSyncError, probe_tokens, trainer_probe_logprobs
-    from dsrl.testing import perturb_weights
+    `worker`, both holding `model_path` in `dtype`, with the default rollout config: layer
+    STALE_LAYER, the moves of MOVES[dtype], the default job's prompts."""
+    from transformers import AutoTokenizer
 
+    from dsrl.config.schema import RolloutConfig
+    from dsrl.rollout.weight_sync import (PROBE_PREFIX, WeightSync, WeightSyncError, probe_tokens,
+                                          trainer_probe_logprobs)
+    from dsrl.testing import default_job_prompts, perturb_weights
+
+    rel_all, rel_layer = MOVES[dtype]
+    layer = min(STALE_LAYER, actor.hf_config.num_hidden_layers - 1)
+    prompts = default_job_prompts(AutoTokenizer.from_pretrained(str(model_path)))
     sync = WeightSync(actor, worker, dataclasses.replace(RolloutConfig(), dtype=dtype))
     errors, probes, samples = {}, {}, {}
 
@@ -126,11 +138,15 @@ def read_stale_layer(actor, worker, dtype: str, *, rel_all: float, rel_layer: fl
     checks("good", sync.push, 1)
     perturb_weights(actor.module.model.layers[layer].parameters(), rel_layer, 2)
     checks("stale", lambda step: push_leaving_out(sync, actor, layer, step), 2)
-    tokens = sync.probe_sequences()
-    probes["stale"] = float((torch.tensor(worker.probe_logprobs(tokens))[:, 3:]
-                             - trainer_probe_logprobs(actor, tokens)[:, 3:]).abs().mean())
-    old_tokens = probe_tokens(actor.hf_config.vocab_size, n=4, length=16, seed=20261130)
-    old = float((torch.tensor(worker.probe_logprobs(old_tokens)) - trainer_probe_logprobs(actor, old_tokens)).abs().mean())
+
+    def mean_diff(tokens, start: int) -> float:
+        return float((torch.tensor(worker.probe_logprobs(tokens))[:, start:]
+                      - trainer_probe_logprobs(actor, tokens)[:, start:]).abs().mean())
+
+    # The stale push's probe raised: its reading again, over the greedy tokens as WeightSync.check
+    # scores them; and the old random-token probe (every token) on the same stale engine.
+    probes["stale"] = mean_diff(sync.probe_sequences(), PROBE_PREFIX - 1)
+    old = mean_diff(probe_tokens(actor.hf_config.vocab_size, n=4, length=16, seed=20261130), 0)
     checks("repaired", sync.push, 3)
     nan = float("nan")
     return StaleLayerReading(

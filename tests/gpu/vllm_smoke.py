@@ -73,9 +73,8 @@ def stale_layer(worker, model_path: str, dtype: str, local_rank: int, rehearsal:
     """8. The probe and the train step's sample check against one decoder layer left out of a push."""
     from dsrl.actor.engine import ActorEngine
     from dsrl.rollout.vllm_worker import VLLMWorker
-    from dsrl.testing import default_job_prompts, smollm2_available
+    from dsrl.testing import smollm2_available, smollm2_path
     from dsrl.testing.stale_layer import read_stale_layer
-    from transformers import AutoTokenizer
 
     own = None
     if not rehearsal:
@@ -83,19 +82,13 @@ def stale_layer(worker, model_path: str, dtype: str, local_rank: int, rehearsal:
             skip("stale_layer_caught", "(SmolLM2-135M not here: launch/setup.sh converts it; the tiny model's "
                  "bf16 floor is not the one rollout.sync_tolerance is set for)")
             return
-        from dsrl.setup_assets import smollm2_path
-
         model_path = str(smollm2_path())
         own = worker = VLLMWorker(model_path, dtype=dtype, seed=0, max_model_len=512, gpu_memory_utilization=0.2,
                                   enforce_eager=True, local_rank=local_rank, colocated=True)
     try:
         actor = ActorEngine(model_path, zero_stage=0, dtype=dtype, micro_batch_size=2)
-        layers = actor.hf_config.num_hidden_layers
-        layer = min(15, layers - 1)
-        rel_all, rel_layer = (0.05, 0.05) if dtype == "float32" else (0.01, 0.2)
         t0 = time.perf_counter()
-        r = read_stale_layer(actor, worker, dtype, rel_all=rel_all, rel_layer=rel_layer, layer=layer,
-                             prompts=default_job_prompts(AutoTokenizer.from_pretrained(model_path)))
+        r = read_stale_layer(actor, worker, dtype, model_path)
         figure("stale_layer_seconds", time.perf_counter() - t0, "s")
         for name in ("good_probe", "stale_probe", "repaired_probe", "good_samples", "stale_samples", "old_probe"):
             figure(f"stale_layer_{name}", getattr(r, name), "nats")
